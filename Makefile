@@ -1,0 +1,44 @@
+# Every target bootstraps .venv from requirements.txt by itself: `make lab` or `make test` on a fresh clone is enough.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: setup lab test test-gpu html release grade bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; (3, 10) <= v <= (3, 12) or print("warning: FlashLab is tested on Python 3.10-3.12, not", sys.version.split()[0])'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e . || $(BIN)/python -m pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+lab: setup
+	$(BIN)/jupyter lab notebooks/
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-gpu: setup
+	$(BIN)/python -m pytest -q -m gpu
+
+html: setup
+	$(BIN)/python -m flashlab html --out build/html
+
+release: setup
+	$(BIN)/python -m flashlab release
+
+grade: setup
+	$(BIN)/python -m flashlab grade $(or $(SUBMISSIONS),submissions/) --csv grades.csv
+
+bench: setup
+	$(BIN)/python -m flashlab bench
+
+lint: setup
+	$(BIN)/ruff check flashlab tests
+
+clean:
+	rm -rf $(VENV) build

@@ -1,0 +1,58 @@
+"""Float64 attention: the truth every other implementation in the course is checked against.
+
+It materialises the full score matrix S on purpose: it is slow and memory hungry, but it is short enough to be
+obviously right.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._checks import causal_offset, check_qkv, check_scale
+
+
+def causal_mask(n: int, m: int) -> np.ndarray:
+    """Boolean (n, m) matrix, True where query i may attend to key j (j <= i + m - n)."""
+    i = np.arange(n)[:, None]
+    j = np.arange(m)[None, :]
+    return j <= i + causal_offset(n, m)
+
+
+def scores(Q, K, *, causal: bool = False, scale: float | None = None) -> np.ndarray:
+    """Scaled scores S = scale * Q K^T in float64, masked entries set to -inf."""
+    Q = np.asarray(Q, dtype=np.float64)
+    K = np.asarray(K, dtype=np.float64)
+    S = check_scale(scale, Q.shape[-1]) * (Q @ np.swapaxes(K, -1, -2))
+    if causal:
+        S = np.where(causal_mask(Q.shape[-2], K.shape[-2]), S, -np.inf)
+    return S
+
+
+def attention(Q, K, V, causal: bool = False, scale: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Exact attention in float64.
+
+    Q is (..., n, d); K is (..., m, d) and V is (..., m, dv). K and V may have fewer heads (axis -3) than Q
+    when that number divides Q's (grouped-query attention). ``scale`` defaults to 1/sqrt(d).
+
+    Returns ``(O, L)``: O (..., n, dv) and L (..., n), the logsumexp of each row of scaled scores. A row that
+    can see no key (causal with n > m) gets O = 0 and L = -inf.
+    """
+    Q, K, V = check_qkv(Q, K, V, allow_gqa=True)
+    S = scores(Q, K, causal=causal, scale=scale)
+    row_max = S.max(axis=-1, keepdims=True)
+    safe_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    P = np.exp(S - safe_max)
+    row_sum = P.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        L = (safe_max + np.log(row_sum))[..., 0]
+    O = (P @ V.astype(np.float64)) / np.where(row_sum > 0, row_sum, 1.0)
+    return O, L
+
+
+def softmax_matrix(Q, K, *, causal: bool = False, scale: float | None = None) -> np.ndarray:
+    """The full attention matrix P = softmax(S) (float64): what standard attention stores and FlashAttention never does."""
+    S = scores(Q, K, causal=causal, scale=scale)
+    row_max = S.max(axis=-1, keepdims=True)
+    P = np.exp(S - np.where(np.isfinite(row_max), row_max, 0.0))
+    total = P.sum(axis=-1, keepdims=True)
+    return P / np.where(total > 0, total, 1.0)
