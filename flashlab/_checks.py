@@ -42,7 +42,9 @@ def check_qkv(Q, K, V, *, allowed=FLOAT_DTYPES, allow_gqa: bool = False):
     if Q.shape[-1] != K.shape[-1]:
         raise ValueError(f"Q and K must have the same head dimension (last axis); got {Q.shape[-1]} and {K.shape[-1]}")
     if K.shape[:-1] != V.shape[:-1]:
-        raise ValueError(f"K and V must have the same shape except the last axis (..., m, :); got {K.shape} and {V.shape}")
+        raise ValueError(
+            f"K and V must have the same shape except the last axis (..., m, :); got {K.shape} and {V.shape}"
+        )
     for name, x in (("Q", Q), ("K", K)):
         if 0 in x.shape:
             raise ValueError(f"{name} has an empty axis (shape {x.shape}); attention needs n >= 1, m >= 1 and d >= 1")

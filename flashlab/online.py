@@ -96,6 +96,6 @@ def attend(scores, values, splits=None) -> float | np.ndarray:
     edges = [0, *(splits or []), k]
     dv = None if values.ndim == 1 else values.shape[-1]
     state = init(scores.shape[:-1], dv)
-    for lo, hi in zip(edges[:-1], edges[1:]):
+    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
         state = update(state, scores[..., lo:hi], values[lo:hi])
     return state.result()

@@ -50,7 +50,10 @@ def attention(Q, K, V, causal: bool = False, scale: float | None = None) -> tupl
 
 
 def softmax_matrix(Q, K, *, causal: bool = False, scale: float | None = None) -> np.ndarray:
-    """The full attention matrix P = softmax(S) (float64): what standard attention stores and FlashAttention never does."""
+    """The full attention matrix P = softmax(S) in float64.
+
+    This is what standard attention stores and FlashAttention never does.
+    """
     S = scores(Q, K, causal=causal, scale=scale)
     row_max = S.max(axis=-1, keepdims=True)
     P = np.exp(S - np.where(np.isfinite(row_max), row_max, 0.0))

@@ -17,7 +17,11 @@ ALL_NOTEBOOKS = sorted(p for d in ("notebooks", "labs", "solutions") for p in (R
 @pytest.mark.parametrize("path", ALL_NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_committed_without_outputs(path):
     nb = json.loads(path.read_text())
-    dirty = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code" and (c.get("outputs") or c.get("execution_count"))]
+    dirty = [
+        i
+        for i, c in enumerate(nb["cells"])
+        if c["cell_type"] == "code" and (c.get("outputs") or c.get("execution_count"))
+    ]
     assert not dirty, f"{path.name}: cells {dirty} hold outputs or execution counts; strip them before committing"
 
 
@@ -31,7 +35,8 @@ def test_chapter_executes_on_cpu(path):
     os.environ["MPLBACKEND"] = "Agg"
     try:
         t0 = time.perf_counter()
-        nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+        resources = {"metadata": {"path": str(path.parent)}}
+        nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources=resources).execute()
         print(f"{path.name}: {time.perf_counter() - t0:.1f} s")
     finally:
         if env_backup is None:
