@@ -1,0 +1,512 @@
+"""The grading core: labs register questions; a question is a function that runs randomized tests.
+
+See the package docstring (:mod:`flashlab.grading`) for how to add a lab. This module holds
+
+* the registry (:class:`Lab`, :func:`get_lab`, :func:`available_labs`), found by module name: lab ``labNN``
+  lives in ``flashlab/grading/labNN.py`` and is imported on first use;
+* :class:`Trial`, the helper a question uses to draw fresh random inputs, compare the student's function with
+  the truth, name the mistake by matching known-wrong implementations ("mutants"), and bound peak memory;
+* :func:`run_question` / :func:`grade_namespace` (used by notebooks' check cells and by the batch grader).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import pkgutil
+import re
+import signal
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from ..measure import peak_memory
+
+#: Environment variable set by the batch grader: check cells then skip their tests (the grader runs them itself).
+BATCH_ENV = "FLASHLAB_BATCH_GRADING"
+#: Seconds one question may run before it scores 0 ("took too long"); the batch grader also has a hard limit.
+QUESTION_TIME_LIMIT = 60.0
+
+_REGISTRY: dict[str, "Lab"] = {}
+_LAB_ID = re.compile(r"^lab\d{2,}$")
+
+
+# --------------------------------------------------------------------------------------------------- registry
+@dataclass
+class Question:
+    """One graded question: ``run(trial, *objects)`` tests the notebook objects named in ``objects``."""
+
+    lab_id: str
+    name: str
+    points: float
+    objects: tuple[str, ...]
+    run: Callable[..., Any]
+    title: str = ""
+
+
+class Lab:
+    """A lab's questions, in the order they appear in the notebook.
+
+    ``LAB = Lab("lab03", "Tiled backward")`` at the top of ``flashlab/grading/lab03.py`` registers the lab;
+    ``@LAB.question("q1", points=4, objects=("flash_backward",))`` registers a question.
+    """
+
+    def __init__(self, lab_id: str, title: str = "") -> None:
+        if not _LAB_ID.match(lab_id):
+            raise ValueError(f"a lab id looks like 'lab01' (the notebook's name prefix); got {lab_id!r}")
+        self.id = lab_id
+        self.title = title
+        self.questions: dict[str, Question] = {}
+        _REGISTRY[lab_id] = self
+
+    def question(self, name: str, *, points: float, objects: Sequence[str], title: str = "") -> Callable:
+        """Decorator registering ``fn(trial, *objects)`` as question ``name`` worth ``points``."""
+        if isinstance(objects, str):
+            objects = (objects,)
+
+        def register(fn: Callable) -> Callable:
+            doc = (fn.__doc__ or "").strip().splitlines()
+            title_ = title or (doc[0] if doc else "")
+            self.questions[name] = Question(self.id, name, float(points), tuple(objects), fn, title_)
+            return fn
+
+        return register
+
+    @property
+    def max_score(self) -> float:
+        return sum(q.points for q in self.questions.values())
+
+    def __repr__(self) -> str:
+        return f"Lab({self.id!r}, questions={list(self.questions)}, max_score={self.max_score:g})"
+
+
+def available_labs() -> list[str]:
+    """Ids of every lab module in this package (``labNN.py``), found with pkgutil: there is no list to edit."""
+    here = os.path.dirname(__file__)
+    return sorted(m.name for m in pkgutil.iter_modules([here]) if _LAB_ID.match(m.name))
+
+
+def get_lab(lab_id: str) -> Lab:
+    """The registered :class:`Lab` ``lab_id``, importing ``flashlab.grading.<lab_id>`` on first use."""
+    if not isinstance(lab_id, str) or not _LAB_ID.match(lab_id):
+        raise ValueError(f"a lab id looks like 'lab01'; got {lab_id!r}")
+    if lab_id not in _REGISTRY:
+        if lab_id not in available_labs():
+            raise ValueError(f"unknown lab {lab_id!r}; known labs: {', '.join(available_labs()) or 'none'}")
+        importlib.import_module(f"{__package__}.{lab_id}")
+    if lab_id not in _REGISTRY:
+        raise ValueError(f"module flashlab.grading.{lab_id} does not create Lab({lab_id!r})")
+    return _REGISTRY[lab_id]
+
+
+# ---------------------------------------------------------------------------------------------------- results
+@dataclass
+class Result:
+    """Outcome of one question: points earned out of ``max_score`` and the feedback shown to the student."""
+
+    name: str
+    score: float
+    max_score: float
+    feedback: str
+    seed: int | None = None
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "score": self.score, "max_score": self.max_score, "feedback": self.feedback}
+
+
+class NotImplementedYet(Exception):
+    """Raised inside a trial when the student's code raised NotImplementedError (the released stub)."""
+
+
+class QuestionTimeout(BaseException):
+    # BaseException so that a student's `except Exception:` cannot swallow it.
+    pass
+
+
+# ------------------------------------------------------------------------------------------------ trial tools
+@dataclass
+class Case:
+    """One input. ``args`` go to the function under test (through the question's ``run`` adapter)."""
+
+    args: tuple
+    label: str = ""
+    kwargs: dict = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return sum(np.size(a) for a in (*self.args, *self.kwargs.values()) if isinstance(a, (np.ndarray, list, tuple)))
+
+
+@dataclass
+class Mutant:
+    """A known mistake: ``message`` names it; ``fn`` is a wrong implementation of the student's function.
+
+    A student is diagnosed with the mistake when, on a failing input, their output matches ``fn``'s (on the parts
+    selected by ``key``, default all) while ``fn``'s differs from the truth. For mistakes that leave garbage (e.g.
+    rows never written) give ``explains(case, student_output, expected) -> bool`` instead of ``fn``.
+    """
+
+    message: str
+    fn: Callable | None = None
+    key: Callable[[tuple], tuple] | None = None
+    explains: Callable[[Case, tuple, tuple], bool] | None = None
+
+
+def as_outputs(x: Any) -> tuple[np.ndarray, ...]:
+    """Normalise a function's return value to a tuple of float64 arrays (raises TypeError if that is impossible)."""
+    items = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+    out = []
+    for item in items:
+        arr = np.asarray(item)
+        if arr.dtype == object or arr.dtype.kind not in "biuf":
+            raise TypeError(f"expected numbers or arrays, got {type(item).__name__}")
+        out.append(arr.astype(np.float64))
+    return tuple(out)
+
+
+def allclose(a: Sequence[np.ndarray], b: Sequence[np.ndarray], rtol: float = 1e-9, atol: float = 1e-12) -> bool:
+    """Same number of outputs, same shapes (up to squeezing), values close; nan matches nan, inf matches inf."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=False):
+        x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+        if x.shape != y.shape:
+            if x.size == y.size:
+                x = x.reshape(y.shape)
+            elif x.size == 1 or y.size == 1:  # e.g. u = 0 (a scalar) for a row that saw only masked keys
+                x, y = np.broadcast_arrays(x, y)
+            else:
+                return False
+        with np.errstate(invalid="ignore"):
+            if not np.allclose(x, y, rtol=rtol, atol=atol, equal_nan=True):
+                return False
+    return True
+
+
+def fmt(x: Any, width: int = 300) -> str:
+    """Short printable form of an input or output (arrays rounded; large ones as their shape)."""
+    if isinstance(x, (tuple, list)) and not (x and np.isscalar(x[0])):
+        return "(" + ", ".join(fmt(v, width) for v in x) + ")"
+    arr = np.asarray(x)
+    if arr.dtype == object:
+        return repr(x)[:width]
+    if arr.ndim == 0:
+        return np.array2string(arr, precision=6)
+    if arr.size > 40:
+        return f"<array shape {arr.shape}>"
+    text = np.array2string(arr, precision=4, separator=", ", threshold=40, max_line_width=10_000)
+    text = " ".join(text.split())  # 2-D arrays on one line
+    return text if len(text) <= width else f"<array shape {arr.shape}>"
+
+
+def _copy(x: Any) -> Any:
+    if isinstance(x, np.ndarray):
+        return x.copy()
+    if isinstance(x, tuple):
+        return tuple(_copy(v) for v in x)
+    if isinstance(x, list):
+        return [_copy(v) for v in x]
+    return x
+
+
+def _describe_error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:300]
+
+
+class Trial:
+    """What a question function receives: a seeded generator and the tools to score the student's code.
+
+    Each tool (:meth:`compare`, :meth:`memory`, :meth:`expect`) is one *part* of the question worth ``points``;
+    a part scores all of its points or none. The question's score is the sum over parts.
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.seed = int(seed)
+        self.rng = np.random.default_rng(self.seed)
+        self.parts: list[tuple[str, float, float, str]] = []  # (label, points earned, points, message)
+
+    # -- calling the student ---------------------------------------------------------------------------------
+    def call(self, fn: Callable, *args, **kwargs):
+        """Call student code; NotImplementedError anywhere means the whole question is "not implemented yet"."""
+        try:
+            return fn(*args, **kwargs)
+        except NotImplementedError as e:
+            raise NotImplementedYet(str(e)) from e
+
+    # -- parts ------------------------------------------------------------------------------------------------
+    def expect(self, label: str, points: float, ok: bool, hint: str = "") -> bool:
+        """A part decided by the caller: ``ok`` earns ``points``, otherwise ``hint`` is shown."""
+        self.parts.append((label, points if ok else 0.0, points, "" if ok else hint))
+        return bool(ok)
+
+    def compare(
+        self,
+        label: str,
+        points: float,
+        *,
+        student: Callable,
+        cases: Iterable[Case],
+        reference: Callable[[Case], Any],
+        run: Callable[[Callable, Case], Any] | None = None,
+        mutants: Sequence[Mutant] = (),
+        rtol: float = 1e-9,
+        atol: float = 1e-12,
+        names: Sequence[str] | None = None,
+    ) -> bool:
+        """Run ``student`` on every case and compare with ``reference(case)``.
+
+        ``run(fn, case)`` applies an implementation to a case (default ``fn(*case.args, **case.kwargs)``); the
+        student and each mutant go through it, so a question can test e.g. a fold of many updates. ``names`` label
+        the outputs in feedback (e.g. ``("O", "L")``). On failure the feedback names the mutant that matches the
+        student's output on the most failing cases, else shows the smallest failing input.
+        """
+        run = run or (lambda fn, case: fn(*case.args, **case.kwargs))
+        failures: list[tuple[Case, tuple, Any]] = []  # (case, expected, student output or exception)
+        passes: list[tuple[Case, tuple]] = []
+        n_cases = 0
+        for case in cases:
+            n_cases += 1
+            expected = as_outputs(reference(case))
+            try:
+                got = as_outputs(self.call(run, student, Case(_copy(case.args), case.label, _copy(case.kwargs))))
+            except NotImplementedYet:
+                raise
+            except QuestionTimeout:
+                raise
+            except Exception as e:  # the student's bug, reported as feedback
+                failures.append((case, expected, e))
+                continue
+            if not allclose(got, expected, rtol, atol):
+                failures.append((case, expected, got))
+            else:
+                passes.append((case, expected))
+        if not failures:
+            self.parts.append((f"{label} ({n_cases} random inputs)", points, points, ""))
+            return True
+        message = self._diagnose(failures, passes, run, mutants, rtol, atol, names)
+        self.parts.append((f"{label} (failed {len(failures)} of {n_cases} inputs)", 0.0, points, message))
+        return False
+
+    def memory(
+        self,
+        label: str,
+        points: float,
+        fn: Callable,
+        args: tuple,
+        limit_bytes: int,
+        *,
+        reference: Any | None = None,
+        hint: str = "",
+        rtol: float = 1e-9,
+        atol: float = 1e-12,
+    ) -> bool:
+        """Peak memory (tracemalloc) of ``fn(*args)`` must stay under ``limit_bytes``.
+
+        With ``reference``, the output must also be right: a wrong answer does not earn memory points.
+        """
+        try:
+            peak, out = peak_memory(self.call, fn, *_copy(args))
+        except (NotImplementedYet, QuestionTimeout):
+            raise
+        except Exception as e:
+            return self.expect(label, points, False, f"your code raised {_describe_error(e)}")
+        if reference is not None:
+            try:
+                right = allclose(as_outputs(out), as_outputs(reference), rtol, atol)
+            except TypeError:
+                right = False
+            if not right:
+                return self.expect(label, points, False, "memory not measured: the output on this input is wrong")
+        ok = peak <= limit_bytes
+        msg = f"peak memory {peak / 1e6:.2f} MB, allowed {limit_bytes / 1e6:.2f} MB. {hint}".strip()
+        self.parts.append((f"{label} (peak {peak / 1e6:.2f} MB)", points if ok else 0.0, points, "" if ok else msg))
+        return ok
+
+    # -- feedback ---------------------------------------------------------------------------------------------
+    def _diagnose(self, failures, passes, run, mutants, rtol, atol, names) -> str:
+        # A mutant earns a point for each failing input where the student's output equals its output, and loses
+        # one for each input the student got right but the mutant gets wrong (that mistake cannot be theirs).
+        # The contradictions separate mistakes that agree on the failing inputs (e.g. both give nan).
+        best, best_hits, best_score = None, 0, 0
+        for mutant in mutants:
+            hits = contradictions = 0
+            key = mutant.key or (lambda out: out)
+
+            def mutant_output(case, mutant=mutant):
+                return as_outputs(run(mutant.fn, Case(_copy(case.args), case.label, _copy(case.kwargs))))
+
+            for case, expected, got in failures:
+                if isinstance(got, BaseException):
+                    continue
+                try:
+                    if mutant.explains is not None:
+                        hit = bool(mutant.explains(case, got, expected))
+                    else:
+                        wrong = mutant_output(case)
+                        hit = (not allclose(key(wrong), key(expected), rtol, atol)) and allclose(
+                            key(got), key(wrong), rtol, atol
+                        )
+                except Exception:
+                    hit = False
+                hits += hit
+            if hits and mutant.fn is not None:
+                for case, expected in passes[:12]:
+                    try:
+                        contradictions += not allclose(key(mutant_output(case)), key(expected), rtol, atol)
+                    except Exception:
+                        contradictions += 1
+            if hits - contradictions > best_score:
+                best, best_hits, best_score = mutant, hits, hits - contradictions
+        smallest = min(failures, key=lambda f: f[0].size)
+        text = self._show_case(*smallest, names)
+        if best is not None:
+            how = "all" if best_hits == len(failures) else f"{best_hits} of the {len(failures)}"
+            return f"Likely mistake ({how} failing inputs match it): {best.message}\n{text}"
+        return text
+
+    @staticmethod
+    def _show_case(case: Case, expected: tuple, got: Any, names) -> str:
+        lines = [f"Smallest failing input{' (' + case.label + ')' if case.label else ''}:"]
+        shown = [fmt(a) for a in case.args] + [f"{k}={fmt(v)}" for k, v in case.kwargs.items()]
+        lines.append("  args: " + ", ".join(shown))
+        labels = list(names) if names else [f"output[{i}]" for i in range(len(expected))]
+        if isinstance(got, BaseException):
+            lines.append(f"  your code raised {_describe_error(got)}")
+            tb = traceback.extract_tb(got.__traceback__)
+            if tb:
+                frame = tb[-1]
+                lines.append(f"  (at line {frame.lineno}: {frame.line})")
+            return "\n".join(lines)
+        if len(got) != len(expected):
+            lines.append(f"  you returned {len(got)} value(s), expected {len(expected)} ({', '.join(labels)})")
+            return "\n".join(lines)
+        for name, e, g in zip(labels, expected, got, strict=False):
+            if allclose((g,), (e,), 1e-9, 1e-12):
+                lines.append(f"  {name}: correct")
+            else:
+                lines.append(f"  {name}: expected {fmt(e)}, got {fmt(g)}")
+        return "\n".join(lines)
+
+    # -- summary ----------------------------------------------------------------------------------------------
+    def result(self, name: str, max_score: float) -> Result:
+        earned = sum(p[1] for p in self.parts)
+        total = sum(p[2] for p in self.parts)
+        score = max_score * earned / total if total > 0 else 0.0
+        lines = []
+        for label, got, pts, msg in self.parts:
+            mark = "ok  " if got == pts else "FAIL"
+            lines.append(f"[{mark}] {label}: {got:g}/{pts:g}")
+            lines += ["       " + m for m in msg.splitlines() if m]
+        return Result(name, round(score, 3), max_score, "\n".join(lines), self.seed)
+
+
+# ----------------------------------------------------------------------------------------------- running them
+@contextlib.contextmanager
+def _time_limit(seconds: float | None):
+    usable = (
+        seconds is not None
+        and seconds > 0
+        and hasattr(signal, "setitimer")
+        and threading.current_thread() is threading.main_thread()
+    )
+    if not usable:
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise QuestionTimeout()
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def new_seed() -> int:
+    return int(np.random.SeedSequence().entropy % 2**31)
+
+
+def run_question(
+    lab_id: str,
+    name: str,
+    objects: Sequence[Any],
+    *,
+    seed: int | None = None,
+    time_limit: float | None = QUESTION_TIME_LIMIT,
+) -> Result:
+    """Run question ``name`` of ``lab_id`` on ``objects``. Never raises because of the student's code."""
+    question = get_lab(lab_id).questions.get(name)
+    if question is None:
+        known = ", ".join(get_lab(lab_id).questions)
+        return Result(name, 0.0, 0.0, f"{lab_id} has no question {name!r} (it has {known})", seed)
+    seed = new_seed() if seed is None else int(seed)
+    if len(objects) != len(question.objects):
+        want = ", ".join(question.objects)
+        msg = f"check({name!r}, ...) expects {len(question.objects)} object(s): {want}"
+        return Result(name, 0.0, question.points, msg, seed)
+    missing = [n for n, o in zip(question.objects, objects, strict=False) if o is None]
+    if missing:
+        return Result(name, 0.0, question.points, f"not defined yet: {', '.join(missing)}", seed)
+    trial = Trial(seed)
+    try:
+        with np.errstate(all="ignore"), _time_limit(time_limit):
+            out = question.run(trial, *objects)
+    except NotImplementedYet:
+        msg = "not implemented yet (your function still raises NotImplementedError)"
+        return Result(name, 0.0, question.points, msg, seed)
+    except QuestionTimeout:
+        return Result(name, 0.0, question.points, f"took longer than {time_limit:g} s: is there an endless loop?", seed)
+    except Exception as e:  # a bug the tests did not anticipate: report, never crash the notebook
+        return Result(name, 0.0, question.points, f"the check could not run your code: {_describe_error(e)}", seed)
+    if out is not None:  # a question may compute its own (points, feedback)
+        points, feedback = out
+        return Result(name, round(float(points), 3), question.points, str(feedback), seed)
+    return trial.result(name, question.points)
+
+
+def grade_namespace(
+    lab_id: str, namespace: dict, *, seed: int | None = None, time_limit: float | None = QUESTION_TIME_LIMIT
+) -> list[Result]:
+    """Grade every question of ``lab_id`` on the objects found by name in ``namespace`` (a notebook's globals)."""
+    results = []
+    for q in get_lab(lab_id).questions.values():
+        objs = [namespace.get(n) for n in q.objects]
+        results.append(run_question(lab_id, q.name, objs, seed=seed, time_limit=time_limit))
+    return results
+
+
+def format_result(r: Result, lab_id: str = "") -> str:
+    head = f"{r.name}: {r.score:g}/{r.max_score:g} points"
+    if r.seed is not None:
+        head += f"   (seed {r.seed}; replay with check({r.name!r}, ..., seed={r.seed}))"
+    return head + ("\n" + r.feedback if r.feedback else "")
+
+
+class Checker:
+    """The ``check`` of a lab notebook: ``check("q1", online_update)`` runs q1's tests and prints the result."""
+
+    def __init__(self, lab_id: str) -> None:
+        self.lab = get_lab(lab_id)
+
+    def __call__(self, name: str, *objects: Any, seed: int | None = None) -> None:
+        if os.environ.get(BATCH_ENV):
+            print(f"{name}: check deferred (the batch grader runs every question after your notebook)")
+            return None
+        print(format_result(run_question(self.lab.id, name, objects, seed=seed), self.lab.id))
+        return None
+
+    def __repr__(self) -> str:
+        return f"<check for {self.lab.id}: questions {', '.join(self.lab.questions)}>"
+
+
+def lab(lab_id: str) -> Checker:
+    """``check = lab("lab01")`` at the top of a lab notebook gives the check function of its check cells."""
+    return Checker(lab_id)
+

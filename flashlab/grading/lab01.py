@@ -1,0 +1,314 @@
+"""Lab 01 — online softmax: ``online_update``, ``online_merge`` and ``attend_in_blocks`` for one row of scores."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import online
+from .core import Case, Lab, Mutant, Trial
+
+LAB = Lab("lab01", "Online softmax")
+
+LN3 = float(np.log(3.0))
+
+
+# ------------------------------------------------------------------------------------------- truth and helpers
+def _state(x) -> tuple:
+    m, l, u = x
+    return (np.float64(m), np.float64(l), np.asarray(u, dtype=np.float64))
+
+
+def _ref_state(scores, values) -> tuple:
+    """The exact state of one row after seeing all of ``scores`` (through flashlab.online)."""
+    dv = None if np.ndim(values) == 1 else np.shape(values)[-1]
+    s = online.update(online.init((), dv), np.asarray(scores, float), np.asarray(values, float))
+    u = s.u if dv is not None else np.float64(s.u)
+    if not np.any(np.isfinite(scores)):
+        u = np.zeros_like(np.asarray(u, dtype=float))
+    return (s.m, s.l, u)
+
+
+def _edges(k: int, splits) -> list[tuple[int, int]]:
+    e = [0, *splits, k]
+    return list(zip(e[:-1], e[1:], strict=False))
+
+
+def _fold(fn, case: Case) -> tuple:
+    """Start from (−inf, 0, 0) and feed the blocks in order to ``fn(m, l, u, scores, values)``."""
+    scores, values, splits = case.args
+    m, l, u = -np.inf, 0.0, 0.0
+    for lo, hi in _edges(len(scores), splits):
+        m, l, u = fn(m, l, u, scores[lo:hi], values[lo:hi])
+    return (m, l, u)
+
+
+def _result_key(out: tuple) -> tuple:
+    m, l, u = out
+    with np.errstate(all="ignore"):
+        return (np.asarray(u, float) / np.asarray(l, float),)
+
+
+def _random_values(t: Trial, k: int):
+    if t.rng.random() < 0.5:
+        return t.rng.standard_normal(k)
+    return t.rng.standard_normal((k, int(t.rng.integers(1, 5))))
+
+
+def _random_splits(t: Trial, k: int, nblocks: int | None = None) -> list[int]:
+    if k < 2:
+        return []
+    nblocks = nblocks or int(t.rng.integers(2, min(k, 5) + 1))
+    return sorted(int(x) for x in t.rng.choice(np.arange(1, k), size=min(nblocks - 1, k - 1), replace=False))
+
+
+# --------------------------------------------------------------------------------------------------- mutants
+def _update_no_rescale(m, l, u, s, v):
+    m2 = max(m, np.max(s))
+    p = np.exp(s - m2)
+    return m2, l + p.sum(), u + p @ v
+
+
+def _update_no_max(m, l, u, s, v):
+    p = np.exp(s)
+    return max(m, np.max(s)), l + p.sum(), u + p @ v
+
+
+def _update_unguarded(m, l, u, s, v):
+    m2 = max(m, np.max(s))
+    a = np.exp(m - m2)
+    p = np.exp(s - m2)
+    return m2, a * l + p.sum(), a * u + p @ v
+
+
+def _update_average(m, l, u, s, v):
+    m2 = max(m, np.max(s))
+    a = np.exp(m - m2) if np.isfinite(m2) else 0.0
+    p = np.exp(s - m2) if np.isfinite(m2) else np.zeros_like(s)
+    l2 = a * l + p.sum()
+    block = (p @ v) / p.sum() if p.sum() > 0 else 0.0 * (p @ v)
+    result = block if l == 0 else (np.asarray(u) / l + block) / 2
+    return m2, l2, l2 * result
+
+
+def _update_normalised_wrong(m, l, u, s, v):
+    # u kept normalised, but the old u is not multiplied back by l before adding: the lab 02 classic.
+    m2 = max(m, np.max(s))
+    a = np.exp(m - m2) if np.isfinite(m2) else 0.0
+    p = np.exp(s - m2) if np.isfinite(m2) else np.zeros_like(s)
+    l2 = a * l + p.sum()
+    return m2, l2, (a * u + p @ v) / l2
+
+
+def _update_normalised(m, l, u, s, v):
+    m2 = max(m, np.max(s))
+    a = np.exp(m - m2) if np.isfinite(m2) else 0.0
+    p = np.exp(s - m2) if np.isfinite(m2) else np.zeros_like(s)
+    l2 = a * l + p.sum()
+    return m2, l2, (a * l * u + p @ v) / l2
+
+
+UPDATE_MUTANTS = [
+    Mutant(
+        "l and u are not rescaled by exp(m - m_new) when a block raises the max: what was summed against the old "
+        "max must be multiplied by exp(m_old - m_new) before adding the new block.",
+        fn=_update_no_rescale,
+    ),
+    Mutant(
+        "no max subtraction: exp(s) of raw scores overflows to inf (and inf/inf = nan) for scores near 1000; "
+        "exponentiate s - m_new, where m_new is the running max.",
+        fn=_update_no_max,
+    ),
+    Mutant(
+        "a fully masked block (all scores -inf) gives nan: with m = m_new = -inf, exp(m - m_new) = exp(-inf + inf) "
+        "= nan. When the max is still -inf, exponentiate against 0 instead (or skip the block).",
+        fn=_update_unguarded,
+    ),
+    Mutant(
+        "averaging block results: the new result is the plain mean of the old result and this block's result, "
+        "but each block carries a different mass (its l); weight by mass, i.e. keep u and l as sums.",
+        fn=_update_average,
+        key=_result_key,
+    ),
+    Mutant(
+        "your u is normalised (divided by l). In this lab u is the unnormalised sum of exp(s - m) * v; the "
+        "answer u / l is taken once, at the end.",
+        fn=_update_normalised,
+    ),
+    Mutant(
+        "normalising inside the loop: you divide by the new l but did not multiply the old (already divided) u "
+        "back by the old l. Keep u unnormalised here and divide once, at the end.",
+        fn=_update_normalised_wrong,
+    ),
+]
+
+
+def _merge_no_rescale(a, b):
+    return max(a[0], b[0]), a[1] + b[1], a[2] + b[2]
+
+
+def _merge_unguarded(a, b):
+    m = max(a[0], b[0])
+    wa, wb = np.exp(a[0] - m), np.exp(b[0] - m)
+    return m, wa * a[1] + wb * b[1], wa * a[2] + wb * b[2]
+
+
+def _merge_average(a, b):
+    m = max(a[0], b[0])
+    ra, rb = np.asarray(a[2]) / a[1], np.asarray(b[2]) / b[1]
+    return m, 1.0, (ra + rb) / 2
+
+
+MERGE_MUTANTS = [
+    Mutant(
+        "averaging the two results: each state carries a different mass l, so the merged result is the l-weighted "
+        "mean, (l_a e^(m_a-m) r_a + l_b e^(m_b-m) r_b) / l. Merge the sums (l, u), not the results.",
+        fn=_merge_average,
+        key=_result_key,
+    ),
+    Mutant(
+        "the two states are added without rescaling: each was measured against its own max; multiply l and u of "
+        "each by exp(m_own - m_new) before adding.",
+        fn=_merge_no_rescale,
+    ),
+    Mutant(
+        "merging two empty (fully masked) states gives nan: exp(-inf - (-inf)) = nan. When the new max is -inf the "
+        "result is the empty state (-inf, 0, 0).",
+        fn=_merge_unguarded,
+    ),
+]
+
+
+def _attend_average(scores, values, block):
+    results = []
+    for lo in range(0, len(scores), block):
+        s, v = scores[lo : lo + block], values[lo : lo + block]
+        w = np.exp(s - s.max())
+        results.append((w @ v) / w.sum())
+    return np.mean(results, axis=0)
+
+
+def _attend_drop_ragged(scores, values, block):
+    k = (len(scores) // block) * block
+    return online.attend(scores[:k], values[:k], list(range(block, k, block)))
+
+
+ATTEND_MUTANTS = [
+    Mutant(
+        "averaging block results: the mean of each block's softmax average ignores that blocks carry different "
+        "masses (0.5 instead of 0.75 on the scalar example). Fold the blocks through online_update instead.",
+        fn=_attend_average,
+    ),
+    Mutant(
+        "the last ragged block is dropped: when len(scores) is not a multiple of the block size, the final, "
+        "shorter block still has to be processed (range(0, k, block) with slices that stop at k).",
+        fn=_attend_drop_ragged,
+    ),
+]
+
+
+# ------------------------------------------------------------------------------------------------- questions
+@LAB.question("q1", points=5, objects=("online_update",))
+def q1(t: Trial, online_update) -> None:
+    """online_update folds blocks of scores into (m, l, u) exactly."""
+    names = ("m", "l", "u")
+
+    def ref(case):
+        return _ref_state(case.args[0], case.args[1])
+
+    one = []
+    for _ in range(4):
+        k = int(t.rng.integers(1, 9))
+        one.append(Case((t.rng.standard_normal(k) * 3, _random_values(t, k), []), f"one block, k={k}"))
+    t.compare("one block", 1, student=online_update, cases=one, reference=ref, run=_fold, mutants=UPDATE_MUTANTS,
+              names=names)
+
+    many = [Case((np.array([0, 0, LN3, LN3]), np.array([0.0, 0, 1, 1]), [2]), "the scalar example (answer 0.75)")]
+    for i in range(8):
+        k = int(t.rng.integers(2, 13))
+        s = t.rng.standard_normal(k) * 3
+        if i % 2 == 0:
+            s = np.sort(s)  # the max grows with every block: the rescale is needed each time
+        many.append(Case((s, _random_values(t, k), _random_splits(t, k)), f"k={k}"))
+    t.compare("several blocks, any split", 2, student=online_update, cases=many, reference=ref, run=_fold,
+              mutants=UPDATE_MUTANTS, names=names)
+
+    huge = []
+    for _ in range(4):
+        k = int(t.rng.integers(2, 10))
+        s = np.sort(t.rng.uniform(-1000, 1000, k))
+        s[-1] = 1000.0
+        huge.append(Case((s, _random_values(t, k), _random_splits(t, k)), f"scores up to 1000, k={k}"))
+    t.compare("huge scores (up to 1000)", 1, student=online_update, cases=huge, reference=ref, run=_fold,
+              mutants=UPDATE_MUTANTS, names=names)
+
+    masked = []
+    for i in range(4):
+        k = int(t.rng.integers(3, 10))
+        s = t.rng.standard_normal(k)
+        j = int(t.rng.integers(1, k - 1))
+        if i % 2 == 0:
+            s[:j] = -np.inf  # the first block is masked: the state is still empty when it arrives
+            splits = [j]
+        else:
+            j2 = int(t.rng.integers(j + 1, k))
+            s[j:j2] = -np.inf
+            splits = [j, j2]
+        masked.append(Case((s, _random_values(t, k), splits), f"a fully masked block, k={k}"))
+    t.compare("a fully masked block (-inf scores)", 1, student=online_update, cases=masked, reference=ref, run=_fold,
+              mutants=UPDATE_MUTANTS, names=names)
+
+
+def _merge_run(fn, case: Case) -> tuple:
+    scores, values, j = case.args
+    a = _ref_state(scores[:j], values[:j]) if j > 0 else (-np.inf, 0.0, 0.0)
+    b = _ref_state(scores[j:], values[j:]) if j < len(scores) else (-np.inf, 0.0, 0.0)
+    return tuple(fn(a, b))
+
+
+@LAB.question("q2", points=3, objects=("online_merge",))
+def q2(t: Trial, online_merge) -> None:
+    """online_merge combines the states of two disjoint sets of keys."""
+
+    def ref(case):
+        return _ref_state(case.args[0], case.args[1])
+
+    cases = []
+    for i in range(8):
+        k = int(t.rng.integers(2, 12))
+        s = t.rng.standard_normal(k) * (1000 if i == 7 else 3)
+        cases.append(Case((s, _random_values(t, k), int(t.rng.integers(1, k))), f"k={k}"))
+    t.compare("two halves", 2, student=online_merge, cases=cases, reference=ref, run=_merge_run,
+              mutants=MERGE_MUTANTS, names=("m", "l", "u"))
+
+    empty = []
+    for i in range(3):
+        k = int(t.rng.integers(2, 8))
+        s = t.rng.standard_normal(k)
+        j = int(t.rng.integers(1, k))
+        if i == 0:
+            s[:] = -np.inf  # both sides saw only masked keys
+        elif i == 1:
+            s[:j] = -np.inf
+        empty.append(Case((s, _random_values(t, k), j), "masked keys on " + ("both sides" if i == 0 else "one side")))
+    empty.append(Case((np.array([0.5, 1.0]), np.array([1.0, 2.0]), 0), "one side empty (-inf, 0, 0)"))
+    t.compare("an empty or fully masked side", 1, student=online_merge, cases=empty, reference=ref, run=_merge_run,
+              mutants=MERGE_MUTANTS, names=("m", "l", "u"))
+
+
+@LAB.question("q3", points=2, objects=("attend_in_blocks",))
+def q3(t: Trial, attend_in_blocks) -> None:
+    """attend_in_blocks(scores, values, block) gives the softmax-weighted average of values."""
+    cases = [Case((np.array([0, 0, LN3, LN3]), np.array([0.0, 0, 1, 1]), 2), "the scalar example (answer 0.75)")]
+    for _ in range(8):
+        k = int(t.rng.integers(2, 20))
+        block = int(t.rng.integers(1, k + 1))
+        if k % block == 0 and block > 1:
+            block -= 1  # mostly ragged: the last block is shorter
+        cases.append(Case((t.rng.standard_normal(k) * 3, _random_values(t, k), block), f"k={k}, block={block}"))
+
+    def ref(case):
+        s, v, _ = case.args
+        return online.attend(s, v)
+
+    t.compare("blocks of any size", 2, student=attend_in_blocks, cases=cases, reference=ref, mutants=ATTEND_MUTANTS,
+              names=("result",))
