@@ -1,0 +1,221 @@
+"""Plotting helpers shared by the chapters: the online-softmax state as blocks arrive, tiles sweeping over S,
+memory against sequence length.
+
+Every helper draws into axes it is given (or makes a small figure), labels its axes with units and returns the
+figure, so a chapter cell is one call. The tile pictures are drawn from :func:`tile_order`, which follows the
+same loops (and the same causal skipping) as :func:`flashlab.tiled.forward`; a test checks that it does.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from . import online
+from ._checks import causal_offset, check_block
+from .tiled import LOOP_ORDERS
+
+# Colours chosen to stay distinguishable in grey-scale print and for common colour-vision deficiencies.
+DONE, CURRENT, SKIPPED, TODO = "#9ecae1", "#d95f02", "#bdbdbd", "white"
+
+
+def trace_states(score_blocks: Sequence, value_blocks: Sequence) -> list[online.State]:
+    """Fold blocks of scores and values one by one with :func:`flashlab.online.update`.
+
+    Returns the states after 0, 1, ..., len(score_blocks) blocks (the first is the empty state). Values may be
+    scalars per key (blocks of shape (k,)) or vectors (blocks of shape (k, dv)).
+    """
+    if len(score_blocks) != len(value_blocks):
+        raise ValueError(
+            f"need one block of values per block of scores; got {len(score_blocks)} and {len(value_blocks)}"
+        )
+    if not score_blocks:
+        raise ValueError("need at least one block of scores")
+    first = np.asarray(value_blocks[0])
+    dv = None if first.ndim == 1 else first.shape[-1]
+    states = [online.init((), dv)]
+    for s, v in zip(score_blocks, value_blocks, strict=True):
+        states.append(online.update(states[-1], np.asarray(s, dtype=np.float64), np.asarray(v, dtype=np.float64)))
+    return states
+
+
+def plot_state_trace(states: Sequence[online.State], *, exact: float | None = None, axes=None):
+    """Step plots of m, l, u and the result u / l against the number of blocks seen (scalar values only).
+
+    Blocks that raise the running max are marked with a dotted vertical line: there, l and u were rescaled by
+    e^(m - m'). ``exact`` (the softmax average of the whole stream) is drawn as a horizontal line on the result.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    if np.ndim(states[0].u) != 0:
+        raise ValueError("plot_state_trace draws scalar states; for vector values plot one component at a time")
+    steps = np.arange(len(states))
+    m = np.array([float(s.m) for s in states])
+    l = np.array([float(s.l) for s in states])
+    u = np.array([float(s.u) for s in states])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        r = np.where(l > 0, u / np.where(l > 0, l, 1), np.nan)
+    raised = [k for k in range(1, len(states)) if m[k] > m[k - 1] and np.isfinite(m[k - 1])]
+
+    if axes is None:
+        fig, axes = plt.subplots(1, 4, figsize=(13, 3), constrained_layout=True)
+    if len(axes) != 4:
+        raise ValueError(f"need 4 axes (m, l, u, result); got {len(axes)}")
+    fig = axes[0].figure
+    panels = [
+        (m, "running max m", "score"),
+        (l, "l = Σ exp(s − m)", "mass / e^m"),
+        (u, "u = Σ exp(s − m)·v", "weighted sum / e^m"),
+        (r, "result u / l", "value"),
+    ]
+    for ax, (y, title, ylabel) in zip(axes, panels, strict=True):
+        ax.step(steps, y, where="post", marker="o", ms=3, label=title)
+        for k in raised:
+            ax.axvline(k, color=CURRENT, ls=":", lw=1)
+        ax.set_title(title)
+        ax.set_xlabel("blocks seen")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    if exact is not None:
+        axes[3].axhline(exact, color="k", ls="--", lw=1, label="exact softmax average")
+    axes[3].plot([], [], color=CURRENT, ls=":", label="max raised: rescale")
+    axes[3].legend(fontsize=8, loc="best")
+    return fig
+
+
+def tile_order(
+    n: int, m: int, block_q: int, block_k: int, loop_order: str = "kv_outer", *, causal: bool = False
+) -> list[tuple[int, int]]:
+    """The (query-tile, key-tile) indices in the order :func:`flashlab.tiled.forward` computes them.
+
+    With ``causal``, tiles whose keys all lie after every query's last visible key are left out, exactly as the
+    tiled forward skips them (kv_outer skips such a tile; q_outer stops the row of tiles there).
+    """
+    block_q, block_k = check_block(block_q, "block_q"), check_block(block_k, "block_k")
+    for name, size in (("n", n), ("m", m)):
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            raise ValueError(f"{name} must be a positive integer; got {size!r}")
+    if loop_order not in LOOP_ORDERS:
+        raise ValueError(f"loop_order must be one of {LOOP_ORDERS}; got {loop_order!r}")
+    offset = causal_offset(n, m)
+    n_q, n_k = -(-n // block_q), -(-m // block_k)
+
+    def masked(i: int, j: int) -> bool:
+        q1 = min((i + 1) * block_q, n)
+        return causal and j * block_k > (q1 - 1) + offset
+
+    if loop_order == "kv_outer":
+        return [(i, j) for j in range(n_k) for i in range(n_q) if not masked(i, j)]
+    order = []
+    for i in range(n_q):
+        for j in range(n_k):
+            if masked(i, j):
+                break
+            order.append((i, j))
+    return order
+
+
+def _draw_tiles(ax, n, m, block_q, block_k, visited, current, skipped, numbers):
+    from matplotlib.patches import Rectangle
+
+    n_q, n_k = -(-n // block_q), -(-m // block_k)
+    for i in range(n_q):
+        for j in range(n_k):
+            x0, y0 = j * block_k, i * block_q
+            w, h = min(block_k, m - x0), min(block_q, n - y0)
+            if (i, j) == current:
+                face = CURRENT
+            elif (i, j) in visited:
+                face = DONE
+            elif (i, j) in skipped:
+                face = SKIPPED
+            else:
+                face = TODO
+            ax.add_patch(Rectangle((x0, y0), w, h, facecolor=face, edgecolor="k", lw=0.6,
+                                   hatch="//" if (i, j) in skipped else None))
+            if (i, j) in numbers:
+                ax.text(x0 + w / 2, y0 + h / 2, str(numbers[(i, j)]), ha="center", va="center", fontsize=7)
+    ax.set_xlim(0, m)
+    ax.set_ylim(n, 0)  # row 0 of S at the top, as the matrix is written
+    ax.set_aspect("equal")
+    ax.set_xlabel("key index j")
+    ax.set_ylabel("query index i")
+
+
+def plot_tile_sweep(
+    n: int,
+    m: int,
+    block_q: int,
+    block_k: int,
+    *,
+    loop_orders: Sequence[str] = LOOP_ORDERS,
+    causal: bool = False,
+    snapshots: int = 4,
+):
+    """A grid of small panels: one row per loop order, the score matrix S at a few moments of the sweep.
+
+    Tiles already computed are light, the tile being computed is dark, tiles never computed (causal skipping)
+    are hatched grey; the last panel of each row numbers every tile by its visiting order.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    if snapshots < 1:
+        raise ValueError(f"snapshots must be >= 1; got {snapshots}")
+    rows = len(loop_orders)
+    fig, axes = plt.subplots(rows, snapshots + 1, figsize=(2.3 * (snapshots + 1), 2.5 * rows + 0.6),
+                             squeeze=False, constrained_layout=True)
+    n_q, n_k = -(-n // block_q), -(-m // block_k)
+    everything = {(i, j) for i in range(n_q) for j in range(n_k)}
+    for row, loop_order in enumerate(loop_orders):
+        order = tile_order(n, m, block_q, block_k, loop_order, causal=causal)
+        skipped = everything - set(order)
+        at = np.unique(np.linspace(0, len(order) - 1, snapshots).round().astype(int))
+        for col in range(snapshots):
+            ax = axes[row, col]
+            if col >= len(at):
+                ax.axis("off")
+                continue
+            t = int(at[col])
+            _draw_tiles(ax, n, m, block_q, block_k, set(order[:t]), order[t], skipped, {})
+            ax.set_title(f"{loop_order}: tile {t + 1}/{len(order)}", fontsize=9)
+        numbers = {tile: k + 1 for k, tile in enumerate(order)}
+        _draw_tiles(axes[row, -1], n, m, block_q, block_k, set(order), None, skipped, numbers)
+        axes[row, -1].set_title(f"{loop_order}: visiting order", fontsize=9)
+    handles = [Patch(facecolor=DONE, edgecolor="k", label="computed earlier"),
+               Patch(facecolor=CURRENT, edgecolor="k", label="being computed")]
+    if causal:
+        handles.append(Patch(facecolor=SKIPPED, edgecolor="k", hatch="//", label="skipped (masked)"))
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=8)
+    fig.suptitle(f"Tiles of S (n = {n}, m = {m}, block_q = {block_q}, block_k = {block_k}"
+                 f"{', causal' if causal else ''})", fontsize=10)
+    return fig
+
+
+def plot_memory_vs_n(ns: Sequence[int], peaks: dict[str, Sequence[float]], *, s_bytes: Sequence[float] | None = None,
+                     ax=None):
+    """Log-log plot of measured peak memory (bytes, drawn in MB) against sequence length, one line per method.
+
+    ``s_bytes``, if given, is drawn dashed: the size of one n x n score matrix, for comparison.
+    """
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(5.5, 3.8), constrained_layout=True)
+    for label, ys in peaks.items():
+        if len(ys) != len(ns):
+            raise ValueError(f"{label!r}: need one peak per n ({len(ns)}); got {len(ys)}")
+        ax.loglog(ns, np.asarray(ys, dtype=float) / 1e6, marker="o", label=label)
+    if s_bytes is not None:
+        ax.loglog(ns, np.asarray(s_bytes, dtype=float) / 1e6, "k--", lw=1, label="one n × n matrix (float64)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(ns), [str(v) for v in ns])
+    ax.set_xlabel("sequence length n (tokens)")
+    ax.set_ylabel("peak memory (MB)")
+    ax.set_title("Peak memory of one forward pass (tracemalloc)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return ax.figure
