@@ -122,6 +122,10 @@ class NotImplementedYet(Exception):
     """Raised inside a trial when the student's code raised NotImplementedError (the released stub)."""
 
 
+class BadReturn(Exception):
+    """The student's function returned something that is not numbers or arrays (e.g. None)."""
+
+
 class QuestionTimeout(BaseException):
     # BaseException so that a student's `except Exception:` cannot swallow it.
     pass
@@ -272,13 +276,16 @@ class Trial:
             n_cases += 1
             expected = as_outputs(reference(case))
             try:
-                got = as_outputs(self.call(run, student, Case(_copy(case.args), case.label, _copy(case.kwargs))))
-            except NotImplementedYet:
-                raise
-            except QuestionTimeout:
+                raw = self.call(run, student, Case(_copy(case.args), case.label, _copy(case.kwargs)))
+            except (NotImplementedYet, QuestionTimeout):
                 raise
             except Exception as e:  # the student's bug, reported as feedback
                 failures.append((case, expected, e))
+                continue
+            try:
+                got = as_outputs(raw)
+            except Exception:
+                failures.append((case, expected, BadReturn(f"returned {fmt(raw)} ({type(raw).__name__})")))
                 continue
             if not allclose(got, expected, rtol, atol):
                 failures.append((case, expected, got))
@@ -374,6 +381,9 @@ class Trial:
         shown = [fmt(a) for a in case.args] + [f"{k}={fmt(v)}" for k, v in case.kwargs.items()]
         lines.append("  args: " + ", ".join(shown))
         labels = list(names) if names else [f"output[{i}]" for i in range(len(expected))]
+        if isinstance(got, BadReturn):
+            lines.append(f"  your code {got} instead of {', '.join(labels)}")
+            return "\n".join(lines)
         if isinstance(got, BaseException):
             lines.append(f"  your code raised {_describe_error(got)}")
             tb = traceback.extract_tb(got.__traceback__)
