@@ -1,8 +1,9 @@
 """``python -m flashlab html``: execute every chapter headlessly and write the course as a static HTML site.
 
 Each chapter in notebooks/ runs in a fresh kernel (cwd = notebooks/, MPLBACKEND=Agg, as in CI), then nbconvert
-renders it with its outputs; plots are embedded as data URIs, so every page is one self-contained file. The index
-lists the chapters in study order and the labs.
+renders it with its outputs; plots are embedded as data URIs. MathJax is copied next to the pages from the
+jupyter-server-mathjax package, so formulas render offline too. The index lists the chapters in study order and
+the labs.
 """
 
 from __future__ import annotations
@@ -12,10 +13,24 @@ import html
 import json
 import os
 import pathlib
+import shutil
 import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+MATHJAX_URL = "mathjax/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full,Safe"
+
+
+def install_mathjax(out_dir: pathlib.Path) -> str | None:
+    """Copy MathJax 2 next to the pages; return the URL pages should load it from (None: keep nbconvert's CDN)."""
+    try:
+        import jupyter_server_mathjax
+    except ImportError:
+        return None
+    target = out_dir / "mathjax"
+    if not (target / "MathJax.js").exists():
+        shutil.copytree(pathlib.Path(jupyter_server_mathjax.__file__).parent / "static", target, dirs_exist_ok=True)
+    return MATHJAX_URL
 
 
 def title_of(path: pathlib.Path) -> str:
@@ -30,7 +45,9 @@ def title_of(path: pathlib.Path) -> str:
     return path.stem
 
 
-def render_chapter(path: pathlib.Path, out_dir: pathlib.Path, *, execute: bool, timeout: int) -> float:
+def render_chapter(
+    path: pathlib.Path, out_dir: pathlib.Path, *, execute: bool, timeout: int, mathjax_url: str | None = None
+) -> float:
     """Execute one notebook (unless told not to) and write OUT_DIR/<stem>.html; returns the seconds it took."""
     import nbclient
     import nbformat
@@ -44,7 +61,10 @@ def render_chapter(path: pathlib.Path, out_dir: pathlib.Path, *, execute: bool, 
             nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
         )
         client.execute()
-    body, _ = HTMLExporter(template_name="lab").from_notebook_node(nb)
+    exporter = HTMLExporter(template_name="lab")
+    if mathjax_url:
+        exporter.mathjax_url = mathjax_url
+    body, _ = exporter.from_notebook_node(nb)
     (out_dir / f"{path.stem}.html").write_text(body, encoding="utf-8")
     return time.perf_counter() - t0
 
@@ -86,12 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     chapters = sorted((ROOT / "notebooks").glob("*.ipynb"))
     labs = sorted((ROOT / "labs").glob("*.ipynb"))
+    mathjax_url = install_mathjax(out_dir)
     failures = 0
     for path in chapters:
         if args.only not in path.name:
             continue
         try:
-            seconds = render_chapter(path, out_dir, execute=not args.no_execute, timeout=args.timeout)
+            seconds = render_chapter(
+                path, out_dir, execute=not args.no_execute, timeout=args.timeout, mathjax_url=mathjax_url
+            )
             print(f"{path.name}: {seconds:.1f} s -> {out_dir / (path.stem + '.html')}")
         except Exception as exc:  # one broken chapter must not hide the others
             failures += 1

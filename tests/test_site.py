@@ -21,9 +21,12 @@ def test_render_executes_and_embeds_plots(tmp_path):
     nbformat.write(nb, src)
     out = tmp_path / "html"
     out.mkdir()
-    site.render_chapter(src, out, execute=True, timeout=120)
+    mathjax_url = site.install_mathjax(out)
+    assert mathjax_url and (out / "mathjax" / "MathJax.js").is_file()
+    site.render_chapter(src, out, execute=True, timeout=120, mathjax_url=mathjax_url)
     page = (out / "99_tiny.html").read_text()
     assert "data:image/png;base64," in page
+    assert f'src="{mathjax_url}"' in page and "cdnjs.cloudflare.com/ajax/libs/mathjax" not in page
     assert "0.75" in page
     site.write_index(out, [src], [])
     index = (out / "index.html").read_text()
