@@ -1,0 +1,355 @@
+"""Counting memory traffic: run attention through a model of a GPU's memory and count every element moved.
+
+The counting model (chapter 3 derives the closed forms of :func:`predict` from it):
+
+* **HBM** (:class:`HBM`) is the large, slow memory. An *HBM access* is one element moved between HBM and the
+  chip: a *read* when it is loaded, a *write* when it is stored. Moving a ``b x d`` block costs ``b * d``
+  accesses; touching an element twice costs twice.
+* **SRAM** (:class:`SRAM`) is the small on-chip memory of ``M`` elements (shared memory on a GPU). It holds the
+  tiles of the ``n x d`` matrices that an algorithm keeps on chip to reuse (``Q_i``, ``K_j``, ``V_j``, ``O_i``)
+  and, in standard attention's softmax pass, slabs of whole rows of ``S``. Holding more than ``M`` elements at
+  once raises :class:`SramOverflow`.
+* **Registers** hold what is computed and consumed on the spot: the ``B_r x B_c`` score / probability tile and
+  per-row statistics (running max ``m``, sum ``l``, logsumexp ``L``). They are not charged to ``M`` (in
+  FlashAttention-2/3 on Hopper these tiles do live in registers, and the paper's block rule ``4 B_c d ~ M``
+  budgets exactly the four ``d``-wide tiles). Their loads from and stores to HBM are still counted.
+* **FLOPs** are matmul FLOPs: ``2 a b c`` for an ``(a x b) @ (b x c)`` product. ``exps`` counts exponentials.
+
+The counter works at block granularity (a block read adds its size at once) but really moves the data: every
+number an algorithm uses is copied out of an HBM array into a tile, and the output O it produces is checked
+against :func:`flashlab.reference.attention`.
+
+Algorithms (self-attention, one head: Q, K, V are ``n x d``; ``T_r = ceil(n / B_r)``, ``T_c = ceil(n / B_c)``):
+
+* ``"standard"`` — the paper's Algorithm 0. Three passes over HBM: S = scale Q K^T is written; S is read, softmax
+  applied, P written; P is read and O = P V written. The GEMM passes keep a block of ``B_r`` rows of Q (or of
+  the O accumulator) in SRAM and stream ``B_c``-row blocks of K (or V) past it, so K and V are read ``T_r``
+  times. The softmax holds whole rows when a row fits (``n <= M``) and reads S once; otherwise it streams
+  each row twice (max and sum first, then the normalised values).
+* ``"kv_outer"`` — the paper's Algorithm 1: outer loop over K/V blocks, inner loop over Q blocks; O, l and m
+  live in HBM (initialised there) and are read and written back on every visit.
+* ``"q_outer"`` — FlashAttention-2's order: one Q block and its O accumulator stay on chip while every K/V
+  block streams past; O and L are written once.
+
+Default blocks follow the paper: ``B_c = floor(M / 4d)``, ``B_r = min(B_c, d)``. The paper writes a ceiling,
+which can overshoot M by up to ``4d - 1`` elements; we round down so that the default always fits (both agree
+whenever ``4d`` divides ``M``, as for every Hopper size in chapter 3). Standard attention has no such rule;
+its default is ``B_r = B_c = floor(M / 2d)``, the largest square blocks whose two tiles fit, which keeps its
+K/V re-reads small (the fairest comparison).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import NamedTuple
+
+import numpy as np
+
+from . import online, reference
+from ._checks import check_block
+
+ALGORITHMS = ("standard", "kv_outer", "q_outer")
+
+
+class SramOverflow(ValueError):
+    """An algorithm tried to hold more than M elements in SRAM at once."""
+
+
+class Counts(NamedTuple):
+    """Traffic and work of one algorithm on one ``n x d`` head."""
+
+    reads: int  # elements loaded from HBM
+    writes: int  # elements stored to HBM
+    flops: int  # matmul FLOPs (2 per multiply-add)
+    exps: int  # exponentials evaluated
+    sram_peak: int  # most elements held in SRAM at once
+
+    @property
+    def accesses(self) -> int:
+        """HBM reads + writes."""
+        return self.reads + self.writes
+
+
+class HBM:
+    """An array in slow memory that counts every element read from it and written to it."""
+
+    def __init__(self, name: str, array: np.ndarray):
+        self.name = name
+        self.data = np.array(array, dtype=np.float64)
+        self.reads = 0
+        self.writes = 0
+
+    def read(self, index) -> np.ndarray:
+        """Copy ``data[index]`` onto the chip (into registers) and count its elements as reads."""
+        tile = self.data[index].copy()
+        self.reads += tile.size
+        return tile
+
+    def write(self, index, tile) -> None:
+        """Store ``tile`` at ``data[index]`` and count its elements as writes."""
+        target = self.data[index]  # a view: writing through it stores into HBM
+        target[...] = tile
+        self.writes += target.size
+
+
+class SRAM:
+    """On-chip memory of ``capacity`` elements: tiles are loaded into it, allocated in it and freed from it."""
+
+    def __init__(self, capacity: int):
+        self.capacity = int(capacity)
+        self.used = 0
+        self.peak = 0
+        self._held: dict[int, int] = {}
+
+    def _hold(self, tile: np.ndarray, what: str) -> np.ndarray:
+        if self.used + tile.size > self.capacity:
+            raise SramOverflow(
+                f"SRAM holds at most M = {self.capacity} elements: {self.used} are in use and {what} needs "
+                f"{tile.size} more; choose smaller blocks"
+            )
+        self.used += tile.size
+        self.peak = max(self.peak, self.used)
+        self._held[id(tile)] = tile.size
+        return tile
+
+    def load(self, hbm: HBM, index) -> np.ndarray:
+        """Read ``hbm.data[index]`` from HBM into a tile held in SRAM."""
+        tile = hbm.data[index].copy()
+        self._hold(tile, f"a tile of {hbm.name} {tile.shape}")
+        hbm.reads += tile.size
+        return tile
+
+    def alloc(self, shape, fill: float = 0.0) -> np.ndarray:
+        """A tile made on chip (no HBM traffic), e.g. an accumulator."""
+        return self._hold(np.full(shape, fill), f"a new tile {tuple(shape)}")
+
+    def free(self, *tiles: np.ndarray) -> None:
+        for tile in tiles:
+            self.used -= self._held.pop(id(tile))
+
+
+def _check_sizes(n, d, sram) -> tuple[int, int, int]:
+    for name, value in (("n", n), ("d", d), ("sram", sram)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be a positive integer; got {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1; got {value}")
+    return int(n), int(d), int(sram)
+
+
+def default_blocks(algorithm: str, d: int, sram: int) -> tuple[int, int]:
+    """``(B_r, B_c)`` when none are given: the paper's rule for the tiled orders, square halves for standard."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}; got {algorithm!r}")
+    if algorithm == "standard":
+        if sram < 2 * d:
+            raise SramOverflow(f"standard attention needs M >= 2d = {2 * d} to hold one row of Q and one of K")
+        b = sram // (2 * d)
+        return b, b
+    if sram < 4 * d:
+        raise SramOverflow(f"the paper's blocks need M >= 4d = {4 * d} (B_c = floor(M/4d) >= 1); got M = {sram}")
+    b_c = sram // (4 * d)
+    return min(b_c, d), b_c
+
+
+def _blocks(algorithm, n, d, sram, block_q, block_k) -> tuple[int, int]:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}; got {algorithm!r}")
+    if block_q is None or block_k is None:
+        b_r, b_c = default_blocks(algorithm, d, sram)
+        block_q = b_r if block_q is None else block_q
+        block_k = b_c if block_k is None else block_k
+    return check_block(block_q, "block_q"), check_block(block_k, "block_k")
+
+
+def _sram_need(algorithm, n, d, sram, b_r, b_c) -> int:
+    """Most elements the algorithm holds in SRAM at once (blocks larger than n shrink to n)."""
+    r, c = min(b_r, n), min(b_c, n)
+    if algorithm == "standard":
+        gemm = (r + c) * d
+        softmax_rows = n * min(n, sram // n) if n <= sram else 0
+        return max(gemm, softmax_rows)
+    return 2 * (r + c) * d
+
+
+def predict(algorithm: str, n: int, d: int, *, sram: int, block_q: int | None = None,
+            block_k: int | None = None) -> Counts:
+    """Closed-form counts of ``algorithm`` on one ``n x d`` head with an SRAM of ``sram`` elements.
+
+    Same arguments as :func:`count`; raises :class:`SramOverflow` when the blocks do not fit.
+    With ``T_r = ceil(n/B_r)``, ``T_c = ceil(n/B_c)``:
+
+    * standard:  reads ``nd + 2 T_r nd + (1 or 2) n^2 + n^2``, writes ``2 n^2 + nd``
+      (S is read twice when a row does not fit, ``n > M``)
+    * kv_outer:  reads ``2nd + T_c (2nd + 2n)``, writes ``(nd + 2n) (1 + T_c)``
+    * q_outer:   reads ``nd + 2 T_r nd``, writes ``nd + n``
+
+    FLOPs are ``4 n^2 d`` for all three; exps are ``n^2 + n T_c`` for the tiled orders (one rescale factor per
+    row per visited tile) and for standard ``n^2`` (``2 n^2 + n T_c`` when S is streamed twice).
+    """
+    n, d, sram = _check_sizes(n, d, sram)
+    b_r, b_c = _blocks(algorithm, n, d, sram, block_q, block_k)
+    need = _sram_need(algorithm, n, d, sram, b_r, b_c)
+    if need > sram:
+        raise SramOverflow(f"{algorithm} with blocks B_r={b_r}, B_c={b_c}, d={d} holds {need} elements > M = {sram}")
+    t_r, t_c = math.ceil(n / b_r), math.ceil(n / b_c)
+    nd, nn = n * d, n * n
+    flops = 4 * nn * d
+    if algorithm == "standard":
+        if n <= sram:
+            return Counts(nd + 2 * t_r * nd + nn + nn, 2 * nn + nd, flops, nn, need)
+        return Counts(nd + 2 * t_r * nd + 2 * nn + nn, 2 * nn + nd, flops, 2 * nn + n * t_c, need)
+    exps = nn + n * t_c
+    if algorithm == "kv_outer":
+        return Counts(2 * nd + t_c * (2 * nd + 2 * n), (nd + 2 * n) * (1 + t_c), flops, exps, need)
+    return Counts(nd + 2 * t_r * nd, nd + n, flops, exps, need)
+
+
+# --- the algorithms, moving real data through HBM and SRAM -------------------------------------------------
+
+
+class _Tally:
+    def __init__(self):
+        self.flops = 0
+        self.exps = 0
+
+    def matmul(self, a, b):
+        self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        return a @ b
+
+
+def _ranges(n, b):
+    return [(lo, min(lo + b, n)) for lo in range(0, n, b)]
+
+
+def _standard(hbm, sram, tally, n, d, b_r, b_c, scale):
+    Q, K, V, S, O = hbm["Q"], hbm["K"], hbm["V"], hbm["S"], hbm["O"]
+    rows, cols = _ranges(n, b_r), _ranges(n, b_c)
+    # Pass 1: S = scale Q K^T, written to HBM tile by tile.
+    for r0, r1 in rows:
+        Qi = sram.load(Q, np.s_[r0:r1])
+        for c0, c1 in cols:
+            Kj = sram.load(K, np.s_[c0:c1])
+            S.write(np.s_[r0:r1, c0:c1], scale * tally.matmul(Qi, Kj.T))
+            sram.free(Kj)
+        sram.free(Qi)
+    # Pass 2: P = softmax(S), in place of S (P is a new matrix in HBM, S's storage reused).
+    if n <= sram.capacity:
+        slab = max(1, min(n, sram.capacity // n))
+        for r0, r1 in _ranges(n, slab):
+            Si = sram.load(S, np.s_[r0:r1])
+            Pi = np.exp(Si - Si.max(axis=1, keepdims=True))
+            tally.exps += Pi.size
+            S.write(np.s_[r0:r1], Pi / Pi.sum(axis=1, keepdims=True))
+            sram.free(Si)
+    else:
+        # A row does not fit: stream it twice, first for its max and sum (online), then to normalise.
+        for r0, r1 in rows:
+            state = online.init((r1 - r0,), None)
+            for c0, c1 in cols:
+                Sij = S.read(np.s_[r0:r1, c0:c1])
+                state = online.update(state, Sij, np.zeros(c1 - c0))
+                tally.exps += Sij.size + (r1 - r0)
+            for c0, c1 in cols:
+                Sij = S.read(np.s_[r0:r1, c0:c1])
+                S.write(np.s_[r0:r1, c0:c1], np.exp(Sij - state.m[:, None]) / state.l[:, None])
+                tally.exps += Sij.size
+    # Pass 3: O = P V.
+    for r0, r1 in rows:
+        Oi = sram.alloc((r1 - r0, d))
+        for c0, c1 in cols:
+            Vj = sram.load(V, np.s_[c0:c1])
+            Oi += tally.matmul(S.read(np.s_[r0:r1, c0:c1]), Vj)
+            sram.free(Vj)
+        O.write(np.s_[r0:r1], Oi)
+        sram.free(Oi)
+
+
+def _tile_update(tally, state, Qi, Kj, Vj, scale):
+    Sij = scale * tally.matmul(Qi, Kj.T)
+    tally.exps += Sij.size + Sij.shape[0]  # the tile's exps and one rescale factor per row
+    tally.flops += 2 * Sij.size * Vj.shape[1]  # P_ij V_j, done inside online.update
+    return online.update(state, Sij, Vj)
+
+
+def _kv_outer(hbm, sram, tally, n, d, b_r, b_c, scale):
+    Q, K, V, O, l, m = (hbm[k] for k in ("Q", "K", "V", "O", "l", "m"))
+    O.write(np.s_[:], np.zeros((n, d)))
+    l.write(np.s_[:], np.zeros(n))
+    m.write(np.s_[:], np.full(n, -np.inf))
+    for c0, c1 in _ranges(n, b_c):
+        Kj, Vj = sram.load(K, np.s_[c0:c1]), sram.load(V, np.s_[c0:c1])
+        for r0, r1 in _ranges(n, b_r):
+            Qi, Oi = sram.load(Q, np.s_[r0:r1]), sram.load(O, np.s_[r0:r1])
+            li, mi = l.read(np.s_[r0:r1]), m.read(np.s_[r0:r1])
+            state = _tile_update(tally, online.State(mi, li, Oi * li[:, None]), Qi, Kj, Vj, scale)
+            O.write(np.s_[r0:r1], state.result())
+            l.write(np.s_[r0:r1], state.l)
+            m.write(np.s_[r0:r1], state.m)
+            sram.free(Qi, Oi)
+        sram.free(Kj, Vj)
+
+
+def _q_outer(hbm, sram, tally, n, d, b_r, b_c, scale):
+    Q, K, V, O, L = (hbm[k] for k in ("Q", "K", "V", "O", "L"))
+    for r0, r1 in _ranges(n, b_r):
+        Qi, Oi = sram.load(Q, np.s_[r0:r1]), sram.alloc((r1 - r0, d))
+        state = online.State(np.full(r1 - r0, -np.inf), np.zeros(r1 - r0), Oi)
+        for c0, c1 in _ranges(n, b_c):
+            Kj, Vj = sram.load(K, np.s_[c0:c1]), sram.load(V, np.s_[c0:c1])
+            state = _tile_update(tally, state, Qi, Kj, Vj, scale)
+            sram.free(Kj, Vj)
+        O.write(np.s_[r0:r1], state.result())
+        L.write(np.s_[r0:r1], state.logsumexp())
+        sram.free(Qi, Oi)
+
+
+_RUNNERS = {"standard": _standard, "kv_outer": _kv_outer, "q_outer": _q_outer}
+
+
+def run(algorithm: str, Q, K, V, *, sram: int, block_q: int | None = None,
+        block_k: int | None = None) -> tuple[np.ndarray, Counts]:
+    """Run ``algorithm`` on one head (Q, K, V all ``n x d``) through HBM and an SRAM of ``sram`` elements.
+
+    Returns ``(O, counts)``. Raises :class:`SramOverflow` if the blocks make it hold more than ``sram``.
+    """
+    Q, K, V = (np.asarray(x, dtype=np.float64) for x in (Q, K, V))
+    if Q.ndim != 2 or Q.shape != K.shape or Q.shape != V.shape:
+        raise ValueError(f"run() counts one head: Q, K and V must all be (n, d); got {Q.shape}, {K.shape}, {V.shape}")
+    n, d = Q.shape
+    n, d, sram = _check_sizes(n, d, sram)
+    b_r, b_c = _blocks(algorithm, n, d, sram, block_q, block_k)
+    hbm = {"Q": HBM("Q", Q), "K": HBM("K", K), "V": HBM("V", V), "O": HBM("O", np.zeros((n, d)))}
+    if algorithm == "standard":
+        hbm["S"] = HBM("S", np.zeros((n, n)))
+    elif algorithm == "kv_outer":
+        hbm["l"], hbm["m"] = HBM("l", np.zeros(n)), HBM("m", np.zeros(n))
+    else:
+        hbm["L"] = HBM("L", np.zeros(n))
+    chip, tally = SRAM(sram), _Tally()
+    _RUNNERS[algorithm](hbm, chip, tally, n, d, b_r, b_c, 1.0 / math.sqrt(d))
+    if chip.used != 0:
+        raise RuntimeError(f"{algorithm} left {chip.used} elements in SRAM")  # a bug in this module, not the caller's
+    reads = sum(a.reads for a in hbm.values())
+    writes = sum(a.writes for a in hbm.values())
+    return hbm["O"].data, Counts(reads, writes, tally.flops, tally.exps, chip.peak)
+
+
+def count(algorithm: str, n: int, d: int, *, sram: int, block_q: int | None = None,
+          block_k: int | None = None, seed: int = 0) -> Counts:
+    """Count the HBM reads and writes, FLOPs and exps of ``algorithm`` on random ``n x d`` Q, K, V.
+
+    ``algorithm`` is "standard", "kv_outer" or "q_outer"; ``sram`` is M in elements; blocks default to the
+    paper's (see the module docstring). The output O is checked against the float64 reference, so a count
+    always belongs to a run that computed attention correctly.
+    """
+    n, d, sram = _check_sizes(n, d, sram)
+    rng = np.random.default_rng(seed)
+    Q, K, V = (rng.standard_normal((n, d)) for _ in range(3))
+    O, counts = run(algorithm, Q, K, V, sram=sram, block_q=block_q, block_k=block_k)
+    O_ref, _ = reference.attention(Q, K, V)
+    err = np.abs(O - O_ref).max()
+    if not err <= 1e-12:
+        raise RuntimeError(f"{algorithm} computed a wrong O through the counter (max error {err:.3g})")
+    return counts

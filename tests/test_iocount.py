@@ -1,0 +1,133 @@
+import math
+
+import numpy as np
+import pytest
+
+from flashlab import iocount
+
+
+def _both(algorithm, n, d, sram, bq, bk):
+    """(count, predict), or None when both agree that the blocks do not fit."""
+    try:
+        predicted = iocount.predict(algorithm, n, d, sram=sram, block_q=bq, block_k=bk)
+    except iocount.SramOverflow:
+        with pytest.raises(iocount.SramOverflow):
+            iocount.count(algorithm, n, d, sram=sram, block_q=bq, block_k=bk)
+        return None
+    return iocount.count(algorithm, n, d, sram=sram, block_q=bq, block_k=bk), predicted
+
+
+@pytest.mark.parametrize("algorithm", iocount.ALGORITHMS)
+def test_counted_equals_predicted_on_a_grid(algorithm):
+    tried = 0
+    for n in (1, 5, 64, 97):
+        for d in (1, 8):
+            # M below n makes standard attention stream S twice; 4d is the smallest M the paper's blocks allow.
+            for sram in (4 * d, 50, 333, 4096):
+                for bq, bk in ((None, None), (1, 1), (3, 7), (16, 5), (32, 32)):
+                    pair = _both(algorithm, n, d, sram, bq, bk)
+                    if pair is not None:
+                        counted, predicted = pair
+                        assert counted == predicted, (algorithm, n, d, sram, bq, bk)
+                        tried += 1
+    assert tried > 60
+
+
+@pytest.mark.parametrize("algorithm", iocount.ALGORITHMS)
+def test_counted_equals_predicted_random_draws(rng, algorithm):
+    agreed = 0
+    for _ in range(12):
+        n = int(rng.integers(1, 130))
+        d = int(rng.integers(1, 20))
+        sram = int(rng.integers(4 * d, 4 * d + 3000))
+        bq = None if rng.random() < 0.3 else int(rng.integers(1, 70))
+        bk = None if rng.random() < 0.3 else int(rng.integers(1, 70))
+        pair = _both(algorithm, n, d, sram, bq, bk)
+        if pair is not None:
+            counted, predicted = pair
+            assert counted == predicted, (algorithm, n, d, sram, bq, bk)
+            agreed += 1
+    assert agreed >= 3
+
+
+def test_standard_streams_rows_that_do_not_fit():
+    n, d = 40, 2
+    fits = iocount.count("standard", n, d, sram=n, block_q=4, block_k=4)
+    streams = iocount.count("standard", n, d, sram=n - 1, block_q=4, block_k=4)
+    assert streams.reads - fits.reads == n * n  # S read a second time
+    assert streams.writes == fits.writes
+
+
+def test_flops_are_the_same_for_every_algorithm():
+    n, d, sram = 70, 8, 600
+    flops = {a: iocount.count(a, n, d, sram=sram).flops for a in iocount.ALGORITHMS}
+    assert set(flops.values()) == {4 * n * n * d}
+
+
+@pytest.mark.parametrize("algorithm", ["kv_outer", "q_outer"])
+def test_default_blocks_follow_the_paper_and_fit(rng, algorithm):
+    for _ in range(50):
+        d = int(rng.integers(1, 257))
+        sram = int(rng.integers(4 * d, 200_000))
+        b_r, b_c = iocount.default_blocks(algorithm, d, sram)
+        assert b_c == sram // (4 * d) and b_r == min(b_c, d)
+        if sram % (4 * d) == 0:
+            assert b_c == math.ceil(sram / (4 * d))  # the paper's ceiling, where it is exact
+        assert iocount.predict(algorithm, 4096, d, sram=sram).sram_peak <= sram
+
+
+def test_sram_refuses_to_hold_more_than_m():
+    hbm = iocount.HBM("X", np.arange(20.0).reshape(5, 4))
+    chip = iocount.SRAM(10)
+    a = chip.load(hbm, np.s_[0:2])
+    with pytest.raises(iocount.SramOverflow, match="at most M = 10"):
+        chip.load(hbm, np.s_[2:3])
+    chip.free(a)
+    b = chip.load(hbm, np.s_[2:4])
+    np.testing.assert_array_equal(b, hbm.data[2:4])
+    assert hbm.reads == 16 and chip.peak == 8 and chip.used == 8
+    hbm.write(np.s_[0], np.ones(4))
+    assert hbm.writes == 4 and hbm.data[0].sum() == 4
+
+
+@pytest.mark.parametrize("algorithm", iocount.ALGORITHMS)
+def test_blocks_too_big_raise(algorithm):
+    with pytest.raises(iocount.SramOverflow):
+        iocount.count(algorithm, 64, 16, sram=256, block_q=32, block_k=32)
+    with pytest.raises(iocount.SramOverflow):
+        iocount.predict(algorithm, 64, 16, sram=256, block_q=32, block_k=32)
+
+
+def test_asymptotics_match_the_paper():
+    d, sram = 64, 116_224
+    n = 1 << 16  # a row of S fits in SRAM: S and P are each written once and read once
+    assert 4 * n * n <= iocount.predict("standard", n, d, sram=sram).accesses <= 4.5 * n * n
+    n = 1 << 20  # a row does not fit: S is read twice
+    assert 5 * n * n <= iocount.predict("standard", n, d, sram=sram).accesses <= 5.5 * n * n
+    tiled = iocount.predict("kv_outer", n, d, sram=sram).accesses
+    # Algorithm 1 with B_c = M/4d: T_c ~ 4nd/M passes, each reading Q and O and writing O (3nd) plus l and m
+    # read and written (4n): 12 n^2 d^2 / M, times (1 + 4/(3d)) for the statistics.
+    assert tiled == pytest.approx(12 * n * n * d * d / sram * (1 + 4 / (3 * d)), rel=0.002)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        iocount.predict("flash", 8, 4, sram=64)
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        iocount.count("standard", 0, 4, sram=64)
+    with pytest.raises(TypeError, match="d must be a positive integer"):
+        iocount.predict("q_outer", 8, 4.0, sram=64)
+    with pytest.raises(iocount.SramOverflow, match="M >= 4d"):
+        iocount.predict("kv_outer", 8, 4, sram=15)
+    with pytest.raises(ValueError, match="one head"):
+        iocount.run("q_outer", np.zeros((2, 3, 4)), np.zeros((2, 3, 4)), np.zeros((2, 3, 4)), sram=64)
+
+
+@pytest.mark.parametrize("algorithm", iocount.ALGORITHMS)
+def test_run_computes_attention(rng, algorithm):
+    from flashlab import reference
+
+    Q, K, V = (rng.standard_normal((37, 5)) for _ in range(3))
+    O, counts = iocount.run(algorithm, Q, K, V, sram=200, block_q=6, block_k=4)
+    np.testing.assert_allclose(O, reference.attention(Q, K, V)[0], rtol=1e-12, atol=1e-12)
+    assert counts.sram_peak <= 200
