@@ -20,11 +20,13 @@ def _both(algorithm, n, d, sram, bq, bk):
 @pytest.mark.parametrize("algorithm", iocount.ALGORITHMS)
 def test_counted_equals_predicted_on_a_grid(algorithm):
     tried = 0
-    for n in (1, 5, 64, 97):
+    for n in (1, 5, 47, 97):
         for d in (1, 8):
             # M below n makes standard attention stream S twice; 4d is the smallest M the paper's blocks allow.
             for sram in (4 * d, 50, 333, 4096):
-                for bq, bk in ((None, None), (1, 1), (3, 7), (16, 5), (32, 32)):
+                for bq, bk in ((None, None), (1, 2), (3, 7), (16, 5), (32, 32)):
+                    if n > 50 and bq == 1:
+                        continue  # one-row blocks at n = 97 cost seconds and add nothing that n = 47 lacks
                     pair = _both(algorithm, n, d, sram, bq, bk)
                     if pair is not None:
                         counted, predicted = pair
