@@ -11,6 +11,7 @@ COMMANDS = {
     "grade": ("flashlab.grading.batch", "grade lab submissions: grade PATH... [--json] [--csv FILE]"),
     "release": ("flashlab.grading.release", "regenerate labs/ from solutions/"),
     "html": ("flashlab.site", "execute every chapter and write a static HTML course into build/"),
+    "slides": ("flashlab.slides", "build offline reveal.js slides from the cells tagged 'slide' into build/slides"),
     "bench": ("flashlab.bench", "run the GPU benchmarks and write data/benchmarks/*.json"),
 }
 

@@ -45,28 +45,40 @@ def title_of(path: pathlib.Path) -> str:
     return path.stem
 
 
-def render_chapter(
-    path: pathlib.Path, out_dir: pathlib.Path, *, execute: bool, timeout: int, mathjax_url: str | None = None
-) -> float:
-    """Execute one notebook (unless told not to) and write OUT_DIR/<stem>.html; returns the seconds it took."""
+def execute(path: pathlib.Path, *, timeout: int = 600):
+    """Run a notebook top to bottom in a fresh kernel, as CI does (cwd = its folder, MPLBACKEND=Agg)."""
     import nbclient
     import nbformat
-    from nbconvert import HTMLExporter
 
     nb = nbformat.read(path, as_version=4)
-    t0 = time.perf_counter()
-    if execute:
-        os.environ.setdefault("MPLBACKEND", "Agg")
-        client = nbclient.NotebookClient(
-            nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
-        )
-        client.execute()
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    resources = {"metadata": {"path": str(path.parent)}}
+    nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3", resources=resources).execute()
+    return nb
+
+
+def executed(path: pathlib.Path, cache_dir: pathlib.Path, *, timeout: int = 600, fresh: bool = False):
+    """The executed notebook, from CACHE_DIR when a copy newer than the source is there; saved there otherwise."""
+    import nbformat
+
+    cached = cache_dir / path.name
+    if not fresh and cached.exists() and cached.stat().st_mtime >= path.stat().st_mtime:
+        return nbformat.read(cached, as_version=4)
+    nb = execute(path, timeout=timeout)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, cached)
+    return nb
+
+
+def render_chapter(nb, out_path: pathlib.Path, *, mathjax_url: str | None = None) -> None:
+    """Write one (executed) notebook as a self-contained HTML page."""
+    from nbconvert import HTMLExporter
+
     exporter = HTMLExporter(template_name="lab")
     if mathjax_url:
         exporter.mathjax_url = mathjax_url
     body, _ = exporter.from_notebook_node(nb)
-    (out_dir / f"{path.stem}.html").write_text(body, encoding="utf-8")
-    return time.perf_counter() - t0
+    out_path.write_text(body, encoding="utf-8")
 
 
 def write_index(out_dir: pathlib.Path, chapters: list[pathlib.Path], labs: list[pathlib.Path]) -> None:
@@ -98,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashlab html", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="build/html", help="output folder (default: build/html)")
     parser.add_argument("--only", default="", help="render only chapters whose file name contains this text")
-    parser.add_argument("--no-execute", action="store_true", help="render the notebooks as committed (no outputs)")
+    parser.add_argument("--cache", default="build/executed", help="where executed notebooks are kept for `slides`")
     parser.add_argument("--timeout", type=int, default=600, help="seconds allowed per cell (default 600)")
     args = parser.parse_args(argv)
 
@@ -112,10 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.only not in path.name:
             continue
         try:
-            seconds = render_chapter(
-                path, out_dir, execute=not args.no_execute, timeout=args.timeout, mathjax_url=mathjax_url
-            )
-            print(f"{path.name}: {seconds:.1f} s -> {out_dir / (path.stem + '.html')}")
+            t0 = time.perf_counter()
+            nb = executed(path, pathlib.Path(args.cache), timeout=args.timeout, fresh=True)
+            render_chapter(nb, out_dir / f"{path.stem}.html", mathjax_url=mathjax_url)
+            print(f"{path.name}: {time.perf_counter() - t0:.1f} s -> {out_dir / (path.stem + '.html')}")
         except Exception as exc:  # one broken chapter must not hide the others
             failures += 1
             print(f"{path.name}: FAILED: {type(exc).__name__}: {str(exc)[-2000:]}", file=sys.stderr)
