@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup lab test test-gpu html release grade bench lint clean
+.PHONY: setup lab test test-gpu html slides release grade bench lint clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,9 @@ test-gpu: setup
 
 html: setup
 	$(BIN)/python -m flashlab html --out build/html
+
+slides: setup
+	$(BIN)/python -m flashlab slides --out build/slides
 
 release: setup
 	$(BIN)/python -m flashlab release
