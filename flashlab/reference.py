@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._checks import causal_offset, check_qkv, check_scale
+from ._checks import as_float_array, causal_offset, check_qkv, check_scale
 
 
 def causal_mask(n: int, m: int) -> np.ndarray:
@@ -59,3 +59,39 @@ def softmax_matrix(Q, K, *, causal: bool = False, scale: float | None = None) ->
     P = np.exp(S - np.where(np.isfinite(row_max), row_max, 0.0))
     total = P.sum(axis=-1, keepdims=True)
     return P / np.where(total > 0, total, 1.0)
+
+
+def attention_backward(Q, K, V, dO, causal: bool = False, scale: float | None = None):
+    """Gradients ``(dQ, dK, dV)`` of attention in float64, with P materialised (the textbook backward).
+
+    For ``O = P V`` with ``P = softmax(S)`` row by row and ``S = scale * Q K^T`` (masked entries -inf):
+
+    * ``dV = P^T dO`` and ``dP = dO V^T``;
+    * ``D = rowsum(dO * O)`` (equal to ``rowsum(P * dP)``), so the softmax backward is ``dS = P * (dP - D)``;
+    * ``dQ = scale * dS K`` and ``dK = scale * dS^T Q``.
+
+    Shapes as in :func:`attention`; ``dO`` has O's shape. With fewer K/V heads than Q heads (grouped-query
+    attention) the gradients of the heads that share a K/V head are summed. A row that sees no key has P = 0
+    and contributes no gradient.
+    """
+    K0, V0 = np.asarray(K), np.asarray(V)  # their shapes, to fold grouped-query heads back at the end
+    Q, K, V = check_qkv(Q, K, V, allow_gqa=True)
+    Q, K, V = (x.astype(np.float64) for x in (Q, K, V))
+    dO = as_float_array(dO, "dO").astype(np.float64)
+    expected = Q.shape[:-1] + (V.shape[-1],)
+    if dO.shape != expected:
+        raise ValueError(f"dO must have the shape of O, {expected}; got {dO.shape}")
+    scale = check_scale(scale, Q.shape[-1])
+    P = softmax_matrix(Q, K, causal=causal, scale=scale)
+    O = P @ V
+    dV = np.swapaxes(P, -1, -2) @ dO
+    dP = dO @ np.swapaxes(V, -1, -2)
+    D = np.sum(dO * O, axis=-1, keepdims=True)
+    dS = P * (dP - D)
+    dQ = scale * (dS @ K)
+    dK = scale * (np.swapaxes(dS, -1, -2) @ Q)
+    if K.shape != K0.shape:  # grouped-query attention: fold the repeated heads back onto their K/V head
+        group = K.shape[-3] // K0.shape[-3]
+        dK = dK.reshape(K0.shape[:-2] + (group,) + K0.shape[-2:]).sum(axis=-3)
+        dV = dV.reshape(V0.shape[:-2] + (group,) + V0.shape[-2:]).sum(axis=-3)
+    return dQ, dK, dV
