@@ -353,3 +353,32 @@ def count(algorithm: str, n: int, d: int, *, sram: int, block_q: int | None = No
     if not err <= 1e-12:
         raise RuntimeError(f"{algorithm} computed a wrong O through the counter (max error {err:.3g})")
     return counts
+
+
+def predict_backward(algorithm: str, n: int, d: int, *, sram: int, block_q: int | None = None,
+                     block_k: int | None = None) -> Counts:
+    """Closed-form HBM traffic of the backward pass on one ``n x d`` head (derived in chapter 3, not counted).
+
+    Same counting model and default blocks as :func:`predict`; the forward's saved results are already in HBM.
+
+    * ``"standard"`` — the paper's Algorithm 3, with the forward's GEMM tiling (``T = ceil(n/B_r)``, square
+      blocks): dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(P * dP)) (one sweep over P and dP, rows held),
+      dQ = dS K, dK = dS^T Q. Reads ``5 n^2 + nd + 4 T nd``; writes ``2 n^2 + 3 nd``. FLOPs ``8 n^2 d``.
+    * ``"kv_outer"`` — the paper's Algorithm 4: dQ, dK, dV initialised in HBM; for each K/V block (loaded once,
+      its dK_j, dV_j accumulated on chip and written once) every Q block streams past with its O_i, dO_i, dQ_i,
+      l_i and m_i, and dQ_i is written back. Reads ``2nd + T_c (4nd + 2n)``; writes ``3nd + T_c nd + 2nd``.
+      FLOPs ``10 n^2 d`` (S is recomputed): 2.5 times the forward's ``4 n^2 d``.
+
+    ``sram_peak`` is left 0: the paper's backward uses the forward's block rule although it keeps twice as many
+    tiles on chip (K_j, V_j, dK_j, dV_j and Q_i, O_i, dO_i, dQ_i), so it is not held to M here.
+    """
+    n, d, sram = _check_sizes(n, d, sram)
+    if algorithm not in ("standard", "kv_outer"):
+        raise ValueError(f"predict_backward knows 'standard' and 'kv_outer'; got {algorithm!r}")
+    b_r, b_c = _blocks(algorithm, n, d, sram, block_q, block_k)
+    nd, nn = n * d, n * n
+    if algorithm == "standard":
+        t = math.ceil(n / b_r)
+        return Counts(5 * nn + nd + 4 * t * nd, 2 * nn + 3 * nd, 8 * nn * d, 0, 0)
+    t_c = math.ceil(n / b_c)
+    return Counts(2 * nd + t_c * (4 * nd + 2 * n), 5 * nd + t_c * nd, 10 * nn * d, nn, 0)
