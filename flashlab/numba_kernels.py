@@ -451,8 +451,12 @@ class Race:
     second: tuple
 
     def __str__(self) -> str:
-        return (f"threads {self.first[0]} ({self.first[1]}) and {self.second[0]} ({self.second[1]}) of block "
-                f"{self.block} touched {self.array}{list(self.index)} with no syncthreads() between them")
+        def who(idx):
+            return f"thread {idx[0]}" if tuple(idx[1:]) == (0, 0) else f"thread {tuple(idx)}"
+
+        block = self.block[0] if tuple(self.block[1:]) == (0, 0) else tuple(self.block)
+        return (f"{who(self.first[0])} ({self.first[1]}) and {who(self.second[0])} ({self.second[1]}) of block "
+                f"{block} touched {self.array}{list(self.index)} with no syncthreads() between them")
 
 
 @dataclass
@@ -460,6 +464,7 @@ class SharedMemoryTrace:
     """What a simulated launch did to its shared arrays: allocations, accesses (if kept) and data races."""
 
     shapes: dict = field(default_factory=dict)  # array name ("file:line") -> shape
+    dtypes: dict = field(default_factory=dict)  # array name -> dtype name
     accesses: list = field(default_factory=list)
     races: list = field(default_factory=list)
     out_of_bounds: list = field(default_factory=list)  # (array, index, shape)
@@ -560,16 +565,24 @@ def trace_shared_memory(*, keep_accesses: bool = False, max_races: int = 20):
     trace = SharedMemoryTrace()
     shared_cls, module_cls = kernelapi.FakeCUDAShared, kernelapi.FakeCUDAModule
     original_array, original_sync = shared_cls.array, module_cls.syncthreads
+    allocation_lock = threading.Lock()
 
     def array(self, shape, dtype, *args, **kwargs):
-        data = original_array(self, shape, dtype, *args, **kwargs)
+        if shape == 0:  # dynamic shared memory: one untraced buffer, as the simulator has it
+            return original_array(self, shape, dtype, *args, **kwargs)
+        # The simulator keeps one array per source line of the kernel (its caller's frame); calling it from here
+        # would make every array this wrapper creates the same one, so allocate here, keyed the same way.
         frame = sys._getframe(1)
-        name = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
-        traced = self.__dict__.setdefault("_flashlab_traced", {})
-        if name not in traced:  # one array per source line and launch, as in the simulator itself
-            trace.shapes[name] = tuple(np.shape(data))
-            traced[name] = _TracedShared(data, name, trace, keep_accesses, max_races)
-        return traced[name]
+        key = (frame.f_code.co_filename, frame.f_lineno)
+        with allocation_lock:  # every thread of the block asks; exactly one may create the array
+            traced = self.__dict__.setdefault("_flashlab_traced", {})
+            if key not in traced:
+                data = kernelapi.FakeCUDALocal().array(shape, dtype)  # np.empty, with numba's dtype converted
+                name = f"{os.path.basename(key[0])}:{key[1]}"
+                trace.shapes[name] = tuple(data.shape)
+                trace.dtypes[name] = str(data.dtype)
+                traced[key] = _TracedShared(data, name, trace, keep_accesses, max_races)
+            return traced[key]
 
     def syncthreads(self):
         th = threading.current_thread()
