@@ -1,0 +1,264 @@
+"""``python -m flashlab bench``: time the kernel ladder against naive CuPy and PyTorch SDPA, write JSON to data/.
+
+Every row of a table comes from one run of this script: the references (naive CuPy attention with S
+materialised, PyTorch SDPA with the flash and the cuDNN backends when PyTorch is present) are timed in the same
+run, on the same random fp16 inputs, with CUDA events, as the median of --repeat runs after --warmup runs.
+Before timing, each implementation's output is poisoned, computed once and compared with a reference, and the
+error is recorded in its row. FLOP = 4 n^2 d batch heads for the forward pass (half that with a causal mask).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import pathlib
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+
+import numpy as np
+
+REFERENCES = ("cupy_naive", "sdpa_flash", "sdpa_cudnn")
+SLOW_RUNGS = ("scalar", "smem_tiles")
+
+
+def flop(n: int, d: int, batch: int, heads: int, causal: bool) -> float:
+    """Forward-pass FLOP of attention: two n x n x d matrix products (QK^T and PV), 2 FLOP per multiply-add."""
+    return 4.0 * n * n * d * batch * heads * (0.5 if causal else 1.0)
+
+
+def _parser() -> argparse.ArgumentParser:
+    import flashlab.gpu as fgpu
+
+    p = argparse.ArgumentParser(prog="python -m flashlab bench", description=__doc__.splitlines()[0])
+    p.add_argument("--name", default="ladder", help="output file data/benchmarks/NAME.json (default: ladder)")
+    p.add_argument("--impls", nargs="+", default=list(fgpu.RUNGS) + list(REFERENCES),
+                   help=f"rungs {list(fgpu.RUNGS)} and/or references {list(REFERENCES)}")
+    p.add_argument("--d", nargs="+", type=int, default=[64, 128], help="head dimensions")
+    p.add_argument("--n", nargs="+", type=int, default=[4096, 16384], help="sequence lengths")
+    p.add_argument("--causal", choices=("no", "yes", "both"), default="both")
+    p.add_argument("--tokens", type=int, default=16384, help="batch x n (batch = tokens // n)")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--repeat", type=int, default=30, help="timed runs per row (>= 20)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--slow-max-n", type=int, default=4096,
+                   help=f"time the slow rungs {SLOW_RUNGS} only up to this n (they take seconds per call)")
+    p.add_argument("--out", default="data/benchmarks", help="output directory")
+    p.add_argument("--no-write", action="store_true", help="print the table only")
+    return p
+
+
+def _provenance(argv: list[str]) -> dict:
+    import cupy as cp
+
+    prov = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python -m flashlab bench " + shlex.join(argv),
+        "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+        "compute_capability": cp.cuda.Device().compute_capability,
+        "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
+        "cuda_driver_api": cp.cuda.runtime.driverGetVersion(),
+        "cupy": cp.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+    }
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,power.limit",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        prov["nvidia_smi"] = smi.stdout.strip()
+    except Exception as e:  # noqa: BLE001 - provenance is best effort, the error is recorded
+        prov["nvidia_smi"] = f"unavailable: {e}"
+    try:
+        import torch
+
+        prov["torch"] = torch.__version__
+        prov["torch_cuda"] = torch.version.cuda
+        prov["cudnn"] = torch.backends.cudnn.version()
+    except ImportError:
+        prov["torch"] = None
+    try:
+        root = pathlib.Path(__file__).resolve().parents[1]
+        prov["git_commit"] = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                                            text=True, timeout=30).stdout.strip() or None
+    except Exception:  # noqa: BLE001
+        prov["git_commit"] = None
+    import flashlab.gpu as fgpu
+
+    prov["kernel_sha256"] = {r.file: hashlib.sha256(r.source().encode()).hexdigest()[:16] for r in fgpu.RUNGS.values()}
+    return prov
+
+
+def _timer(kind: str):
+    """CUDA-event timer: returns f(fn, repeat, warmup) -> list of milliseconds."""
+    if kind == "torch":
+        import torch
+
+        def make():
+            return torch.cuda.Event(enable_timing=True)
+
+        def elapsed(a, b):
+            return a.elapsed_time(b)
+
+        sync = torch.cuda.synchronize
+    else:
+        import cupy as cp
+
+        def make():
+            return cp.cuda.Event()
+
+        def elapsed(a, b):
+            return cp.cuda.get_elapsed_time(a, b)
+
+        def sync():
+            cp.cuda.Device().synchronize()
+
+    def run(fn, repeat: int, warmup: int) -> list[float]:
+        for _ in range(warmup):
+            fn()
+        sync()
+        events = [(make(), make()) for _ in range(repeat)]
+        for a, b in events:
+            a.record()
+            fn()
+            b.record()
+        sync()
+        return [elapsed(a, b) for a, b in events]
+
+    return run
+
+
+def _impl(name: str, q, k, v, causal: bool):
+    """(kind, fn, result-as-cupy-float32) for one implementation on fixed inputs."""
+    import cupy as cp
+
+    import flashlab.gpu as fgpu
+
+    if name in fgpu.RUNGS:
+        o = cp.empty_like(q)
+        lse = cp.empty(q.shape[:-1], cp.float32)
+
+        def fn():
+            fgpu.attention(q, k, v, causal=causal, kernel=name, out=(o, lse))
+
+        def result():
+            o.fill(np.nan)
+            lse.fill(np.nan)
+            fn()
+            return o.astype(cp.float32)
+
+        return "cupy", fn, result
+    if name == "cupy_naive":
+        def fn():
+            return fgpu.naive_attention(q, k, v, causal=causal)
+
+        return "cupy", fn, lambda: fn()[0].astype(cp.float32)
+    if name in ("sdpa_flash", "sdpa_cudnn"):
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = SDPBackend.FLASH_ATTENTION if name == "sdpa_flash" else SDPBackend.CUDNN_ATTENTION
+        tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+
+        def fn():
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+
+        def result():
+            out = fn()
+            torch.cuda.synchronize()
+            return cp.from_dlpack(out.contiguous()).astype(cp.float32)
+
+        return "torch", fn, result
+    raise ValueError(f"unknown implementation {name!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print the table; write data/benchmarks/NAME.json unless --no-write."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser().parse_args(argv)
+    if args.repeat < 20:
+        raise SystemExit("--repeat must be at least 20 (CONVENTIONS: medians of >= 20 runs)")
+    try:
+        import cupy as cp
+    except ImportError:
+        raise SystemExit("the benchmark needs CuPy and an NVIDIA GPU") from None
+    impls = list(args.impls)
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        dropped = [i for i in impls if i.startswith("sdpa")]
+        impls = [i for i in impls if not i.startswith("sdpa")]
+        if dropped:
+            print(f"PyTorch not installed: skipping {dropped}")
+
+    prov = _provenance(argv)
+    print(f"# {prov['gpu']}  CuPy {prov['cupy']}  torch {prov.get('torch')}  {prov['date_utc']}")
+    rows: list[dict] = []
+    causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
+    rng = cp.random.default_rng(0)
+    for d in args.d:
+        for n in args.n:
+            batch = max(1, args.tokens // n)
+            for causal in causals:
+                shape = (batch, args.heads, n, d)
+                q, k, v = (rng.standard_normal(shape, dtype=cp.float32).astype(cp.float16) for _ in range(3))
+                # Differences are taken against the first reference present: sdpa_flash, else cupy_naive.
+                ref_name = next((r for r in ("sdpa_flash", "cupy_naive") if r in impls), impls[0])
+                ref = _impl(ref_name, q, k, v, causal)[2]()
+                for name in impls:
+                    if name in SLOW_RUNGS and n > args.slow_max_n:
+                        continue
+                    try:
+                        kind, fn, result = _impl(name, q, k, v, causal)
+                        out = result()
+                        err = float(cp.abs(out - ref).max())
+                        del out
+                        ms = statistics.median(_timer(kind)(fn, args.repeat, args.warmup))
+                    except Exception as e:  # noqa: BLE001 - e.g. out of memory: recorded, the table goes on
+                        print(f"  {name:<12} d={d} n={n} causal={causal}: {type(e).__name__}: {str(e)[:200]}")
+                        cp.get_default_memory_pool().free_all_blocks()
+                        continue
+                    cp.get_default_memory_pool().free_all_blocks()
+                    f = flop(n, d, batch, args.heads, causal)
+                    rows.append({"impl": name, "pass": "fwd", "dtype": "float16", "d": d, "n": n, "batch": batch,
+                                 "heads": args.heads, "causal": causal, "median_ms": round(ms, 5),
+                                 "tflops": round(f / (ms * 1e-3) / 1e12, 3), "repeat": args.repeat,
+                                 "max_abs_diff": err, "diff_against": ref_name})
+                    print(f"  {name:<12} d={d:<4} n={n:<6} causal={causal!s:<5} {ms:9.3f} ms "
+                          f"{rows[-1]['tflops']:8.2f} TFLOP/s  max|diff vs {ref_name}|={err:.2e}", flush=True)
+                del q, k, v, ref
+                cp.get_default_memory_pool().free_all_blocks()
+
+    print()
+    print(format_table(rows))
+    if not args.no_write:
+        out = pathlib.Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"{args.name}.json"
+        path.write_text(json.dumps({"provenance": prov, "rows": rows}, indent=1) + "\n")
+        print(f"\nwrote {path}")
+    return 0
+
+
+def format_table(rows: list[dict]) -> str:
+    """Plain-text table: one line per row, with % of sdpa_flash and sdpa_cudnn for the same (d, n, causal)."""
+    refs = {(r["impl"], r["d"], r["n"], r["causal"]): r["tflops"] for r in rows}
+    lines = [f"{'impl':<12} {'d':>4} {'n':>6} {'causal':>6} {'ms':>9} {'TFLOP/s':>8} {'%flash':>7} {'%cudnn':>7}"]
+    for r in rows:
+        key = (r["d"], r["n"], r["causal"])
+        pct = []
+        for ref in ("sdpa_flash", "sdpa_cudnn"):
+            t = refs.get((ref, *key))
+            pct.append(f"{100 * r['tflops'] / t:6.1f}%" if t else f"{'-':>7}")
+        lines.append(f"{r['impl']:<12} {r['d']:>4} {r['n']:>6} {r['causal']!s:>6} {r['median_ms']:>9.3f} "
+                     f"{r['tflops']:>8.2f} {pct[0]} {pct[1]}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,249 @@
+"""FlashAttention forward on the GPU: CUDA kernels in ``kernels/*.cu``, loaded with ``cupy.RawModule``.
+
+The kernels form a ladder (chapters 6 and 7), one file per rung, each a readable step from the last::
+
+    scalar        one thread per query row; chapters 1-2's online softmax in C
+    smem_tiles    K/V tiles in shared memory, shared by the 64 rows of a block (chapter 3's tiling)
+    mma           tensor cores: mma.sync m16n8k16 with S, P and O in registers; a warp owns 16 rows
+    ...           (further rungs are listed in RUNGS)
+
+``attention(q, k, v)`` checks its inputs, picks a rung and launches it. This module imports without CuPy (the
+course runs on CPU machines); only calling a GPU function needs CuPy and a GPU.
+
+bfloat16: CuPy has no bfloat16 dtype (cupy/cupy#7527). bf16 tensors therefore travel as their raw 16-bit
+patterns in ``uint16`` arrays, and ``attention(..., bf16=True)`` says how to read them; ``to_bf16`` and
+``from_bf16`` convert from and to float32 on the GPU. From NumPy with ml_dtypes: ``cupy.asarray(a.view(np.uint16))``;
+from PyTorch: ``cupy.from_dlpack(t.view(torch.int16)).view(cupy.uint16)``. A raw ``uint16`` array without
+``bf16=True`` is refused rather than guessed at.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import pathlib
+from typing import Any
+
+import numpy as np
+
+from .._checks import check_scale
+
+KERNEL_DIR = pathlib.Path(__file__).parent / "kernels"
+HEAD_DIMS = (64, 128)
+STATIC_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in (max_dynamic_shared_size_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rung:
+    """One step of the kernel ladder: its file, launch shape and what it supports."""
+
+    name: str
+    file: str
+    block_rows: int  # query rows per thread block
+    threads: int  # threads per block
+    dtypes: tuple[str, ...]  # "f32", "f16", "bf16"
+    min_cc: int  # lowest compute capability (75 = sm_75)
+    smem_per_d: int  # dynamic shared memory in bytes per unit of head dimension d
+    summary: str
+
+    @property
+    def path(self) -> pathlib.Path:
+        return KERNEL_DIR / self.file
+
+    def shared_bytes(self, d: int) -> int:
+        return self.smem_per_d * d
+
+    def source(self) -> str:
+        return self.path.read_text()
+
+
+RUNGS: dict[str, Rung] = {
+    r.name: r
+    for r in (
+        Rung("scalar", "r1_scalar.cu", 128, 128, ("f32", "f16", "bf16"), 75, 0,
+             "one thread per query row, online softmax key by key, K/V read from global memory"),
+        Rung("smem_tiles", "r2_smem_tiles.cu", 64, 64, ("f32", "f16", "bf16"), 75, (64 + 2 * 8) * 4,
+             "K/V tiles of 8 keys in shared memory, shared by a block's 64 rows; one rescale per tile"),
+        Rung("mma", "r3_mma.cu", 64, 128, ("f16", "bf16"), 80, 2 * 64 * 2,
+             "tensor cores (mma.sync m16n8k16), S/P/O in registers, a warp owns 16 rows"),
+    )
+}
+BEST = {"f32": "smem_tiles", "f16": "mma", "bf16": "mma"}
+
+
+def _cupy():
+    """Import CuPy on first use, with an error that says what is missing."""
+    try:
+        import cupy
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise ImportError(
+            "flashlab.gpu needs CuPy and an NVIDIA GPU (pip install cupy-cuda12x or cupy-cuda13x); "
+            "on a CPU-only machine use flashlab.tiled instead"
+        ) from e
+    return cupy
+
+
+def compute_capability() -> int:
+    """Compute capability of the current device as an int, e.g. 90 for sm_90."""
+    return int(_cupy().cuda.Device().compute_capability)
+
+
+@functools.lru_cache(maxsize=None)
+def _module(file: str, source: str):
+    # The source text is part of the key: CuPy's own compile cache also keys on it, so an edited .cu recompiles.
+    return _cupy().RawModule(code=source, options=("--std=c++17",))
+
+
+def get_kernel(rung: Rung, dtype: str, d: int):
+    """The compiled kernel of ``rung`` for one dtype and head dimension, ready to launch."""
+    kern = _module(rung.file, rung.source()).get_function(f"attn_fwd_{dtype}_d{d}")
+    smem = rung.shared_bytes(d)
+    if smem > STATIC_SMEM_LIMIT:
+        kern.max_dynamic_shared_size_bytes = smem
+    return kern
+
+
+def _dtype_key(x, bf16: bool) -> str:
+    cp = _cupy()
+    if bf16:
+        if x.dtype != cp.uint16:
+            raise TypeError(f"bf16=True expects uint16 arrays holding bfloat16 bit patterns; got dtype {x.dtype}")
+        return "bf16"
+    if x.dtype == cp.float16:
+        return "f16"
+    if x.dtype == cp.float32:
+        return "f32"
+    if x.dtype == cp.uint16:
+        raise TypeError("a uint16 array is accepted only as bfloat16 bit patterns: pass bf16=True")
+    raise TypeError(f"dtype must be float16, float32 or (with bf16=True) bfloat16 bits in uint16; got {x.dtype}")
+
+
+def _check_inputs(q, k, v, bf16: bool):
+    cp = _cupy()
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, cp.ndarray):
+            hint = " (move it with cupy.asarray)" if isinstance(x, np.ndarray) else ""
+            kind = f"{type(x).__module__}.{type(x).__name__}"
+            raise TypeError(f"{name} must be a CuPy array on the GPU; got {kind}{hint}")
+    dts = {_dtype_key(x, bf16) for x in (q, k, v)}
+    if len(dts) != 1:
+        raise TypeError(f"q, k and v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.ndim == k.ndim == v.ndim and q.ndim in (2, 4)):
+        raise ValueError(
+            f"q, k, v must all be (n, d) or all (batch, heads, n, d); got shapes {q.shape}, {k.shape}, {v.shape}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {k.shape} and {v.shape}")
+    d = q.shape[-1]
+    if k.shape[-1] != d:
+        raise ValueError(f"q and k must have the same head dimension; got {d} and {k.shape[-1]}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head dimension d must be one of {HEAD_DIMS}; got {d}")
+    if q.shape[-2] < 1 or k.shape[-2] < 1:
+        raise ValueError(f"need at least one query and one key; got n = {q.shape[-2]}, m = {k.shape[-2]}")
+    if q.ndim == 4:
+        if q.shape[0] != k.shape[0]:
+            raise ValueError(f"q and k/v must have the same batch size; got {q.shape[0]} and {k.shape[0]}")
+        if q.shape[1] % k.shape[1] != 0:
+            raise ValueError(
+                f"k/v heads must divide q heads (grouped-query attention); got {k.shape[1]} and {q.shape[1]}"
+            )
+        if q.shape[0] > 65535 or q.shape[1] > 65535:
+            raise ValueError(f"batch and heads must each be at most 65535 (CUDA grid limit); got {q.shape[:2]}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous (use cupy.ascontiguousarray); got strides {x.strides}")
+    return dts.pop()
+
+
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kernel: str = "best",
+              bf16: bool = False, out: tuple[Any, Any] | None = None):
+    """FlashAttention forward on the GPU. Returns ``(o, lse)``.
+
+    q is (n, d) or (batch, heads, n, d); k and v are (m, d) or (batch, heads_kv, m, d) with heads_kv dividing
+    heads (grouped-query / multi-query attention). CuPy arrays, C-contiguous, float16 or float32, or bfloat16
+    bit patterns in uint16 with ``bf16=True``; d is 64 or 128; any n >= 1 and m >= 1. ``causal`` masks as in
+    ``flashlab.reference``: query i sees keys j <= i + (m - n). ``scale`` defaults to 1/sqrt(d). ``kernel``
+    names a rung of ``RUNGS`` or is "best" (the fastest rung for the dtype). ``out`` = (o, lse) writes into
+    given arrays instead of allocating (benchmarks; tests poison them first).
+
+    o has q's shape and dtype; lse (q's shape without d, float32) is the logsumexp of each row of scaled
+    scores. A row that sees no key (causal with n > m) gets o = 0 and lse = -inf.
+    """
+    cp = _cupy()
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be True or False; got {causal!r}")
+    dt = _check_inputs(q, k, v, bf16)
+    d = q.shape[-1]
+    scale = check_scale(scale, d)
+    name = BEST[dt] if kernel == "best" else kernel
+    if name not in RUNGS:
+        raise ValueError(f"unknown kernel {kernel!r}; choose 'best' or one of {sorted(RUNGS)}")
+    rung = RUNGS[name]
+    if dt not in rung.dtypes:
+        raise ValueError(f"kernel {name!r} supports {rung.dtypes}, not {dt}; use kernel='best'")
+    cc = compute_capability()
+    if cc < rung.min_cc:
+        raise ValueError(f"kernel {name!r} needs sm_{rung.min_cc} or newer; this GPU is sm_{cc}")
+
+    B, H, n = (1, 1, q.shape[0]) if q.ndim == 2 else q.shape[:3]
+    Hk, m = (1, k.shape[0]) if k.ndim == 2 else k.shape[1:3]
+    if out is None:
+        o = cp.empty_like(q)
+        lse = cp.empty(q.shape[:-1], dtype=cp.float32)
+    else:
+        o, lse = out
+        if not (isinstance(o, cp.ndarray) and o.shape == q.shape and o.dtype == q.dtype and o.flags.c_contiguous):
+            raise ValueError("out[0] must be a C-contiguous CuPy array with q's shape and dtype")
+        if not (isinstance(lse, cp.ndarray) and lse.shape == q.shape[:-1] and lse.dtype == cp.float32
+                and lse.flags.c_contiguous):
+            raise ValueError("out[1] must be a C-contiguous float32 CuPy array of shape q.shape[:-1]")
+
+    kern = get_kernel(rung, dt, d)
+    grid = (math.ceil(n / rung.block_rows), H, B)
+    args = (q, k, v, o, lse, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk), np.float32(scale),
+            np.int32(bool(causal)))
+    kern(grid, (rung.threads,), args, shared_mem=rung.shared_bytes(d))
+    return o, lse
+
+
+def to_bf16(x):
+    """float32 CuPy array -> uint16 array of bfloat16 bit patterns (round to nearest even)."""
+    cp = _cupy()
+    u = cp.ascontiguousarray(x, dtype=cp.float32).view(cp.uint32)
+    rounded = ((u + cp.uint32(0x7FFF) + ((u >> 16) & cp.uint32(1))) >> 16).astype(cp.uint16)
+    nan = (u & cp.uint32(0x7FFFFFFF)) > cp.uint32(0x7F800000)
+    return cp.where(nan, cp.uint16(0x7FC0), rounded)
+
+
+def from_bf16(x):
+    """uint16 CuPy array of bfloat16 bit patterns -> float32 (exact)."""
+    cp = _cupy()
+    return (cp.ascontiguousarray(x).astype(cp.uint32) << 16).view(cp.float32)
+
+
+def naive_attention(q, k, v, *, causal: bool = False, scale: float | None = None):
+    """Standard attention in CuPy with the score matrix S materialised: the baseline the kernels must beat.
+
+    The products run in the inputs' precision (cuBLAS, fp32 accumulation), the softmax in float32, as a
+    framework's eager attention does. Returns ``(o, lse)`` like ``attention``. float16/float32 only.
+    """
+    cp = _cupy()
+    d = q.shape[-1]
+    scale = check_scale(scale, d)
+    if q.ndim == 4 and k.shape[1] != q.shape[1]:
+        group = q.shape[1] // k.shape[1]
+        k, v = cp.repeat(k, group, axis=1), cp.repeat(v, group, axis=1)
+    s = cp.matmul(q, k.swapaxes(-1, -2)).astype(cp.float32) * np.float32(scale)
+    n, m = q.shape[-2], k.shape[-2]
+    if causal:
+        s = cp.where(cp.arange(m)[None, :] <= cp.arange(n)[:, None] + (m - n), s, -cp.inf)
+    mx = s.max(axis=-1, keepdims=True)
+    mx = cp.where(cp.isfinite(mx), mx, 0)
+    p = cp.exp(s - mx)
+    total = p.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        lse = (mx + cp.log(total))[..., 0]
+    p = (p / cp.where(total > 0, total, 1)).astype(q.dtype)
+    return cp.matmul(p, v), lse
