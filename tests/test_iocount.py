@@ -133,3 +133,25 @@ def test_run_computes_attention(rng, algorithm):
     O, counts = iocount.run(algorithm, Q, K, V, sram=200, block_q=6, block_k=4)
     np.testing.assert_allclose(O, reference.attention(Q, K, V)[0], rtol=1e-12, atol=1e-12)
     assert counts.sram_peak <= 200
+
+
+def test_backward_closed_forms(rng):
+    from flashlab import backward, tiled
+
+    n, d, sram = 96, 16, 2048
+    for algorithm in ("standard", "kv_outer"):
+        assert iocount.predict_backward(algorithm, n, d, sram=sram).flops in (8 * n * n * d, 10 * n * n * d)
+    # the FLOPs of the kv_outer closed form are the ones the tiled backward really does: 2.5 forwards
+    Q, K, V, dO = (rng.standard_normal((n, d)) for _ in range(4))
+    O, L = tiled.forward(Q, K, V)
+    stats = {}
+    backward.backward(Q, K, V, O, L, dO, stats=stats)
+    flash = iocount.predict_backward("kv_outer", n, d, sram=sram)
+    assert stats["flops"] == flash.flops == 2.5 * iocount.predict("kv_outer", n, d, sram=sram).flops
+    # traffic: standard reads and writes P-sized matrices 7 times; the tiled backward is Theta(n^2 d^2 / M)
+    big = 1 << 16
+    assert iocount.predict_backward("standard", big, 64, sram=116_224).accesses >= 7 * big * big
+    tiled_bwd = iocount.predict_backward("kv_outer", big, 64, sram=116_224).accesses
+    assert tiled_bwd == pytest.approx(5 * big * 64 * big * 4 * 64 / 116_224, rel=0.05)
+    with pytest.raises(ValueError, match="predict_backward knows"):
+        iocount.predict_backward("q_outer", n, d, sram=sram)
