@@ -287,3 +287,56 @@ def test_cuda_forward_on_gpu_matches_reference(dtype, causal):
         res = json.loads(out.stdout.strip().splitlines()[-1])
         assert res["simulator"] is False
         assert res["o_rel_error"] <= tol and res["l_rel_error"] <= tol, res
+
+
+# ---------------------------------------------------------------------------------- lab 05's diagnoses
+def test_lab05_names_each_classic_kernel_mistake():
+    """Variants of the solution's kernel, each with one classic mistake, graded by lab 05 in the simulator."""
+    res = _in_simulator("""
+        import math
+        import nbformat
+        from numba import cuda, float64
+        from flashlab.grading import run_question
+
+        nb = nbformat.read("solutions/lab05_numba_cuda.ipynb", as_version=4)
+        sources = {c.source.split("(")[0]: c.source for c in nb.cells if c.cell_type == "code"}
+        kernel_src = "\\n".join(x for x in sources["def make_kernel"].splitlines() if "### " not in x)
+        launch_src = "\\n".join(x for x in sources["def run_kernel"].splitlines() if "### " not in x)
+        first = "cuda.syncthreads()                           # the tile is complete"
+        second = "cuda.syncthreads()                           # everyone is done"
+        guard = "if k0 + j < m else 0.0"
+        variants = {
+            "solution": kernel_src,
+            "no_first_barrier": kernel_src.replace(first, "pass  #"),
+            "no_second_barrier": kernel_src.replace(second, "pass  #"),
+            "unguarded_load": kernel_src.replace(guard, "if True else 0.0"),
+            "whole_last_tile": kernel_src.replace("range(min(BLOCK_K, m - k0))", "range(BLOCK_K)"),
+            "tile_block_q": kernel_src.replace("shared.array((BLOCK_K, D)", "shared.array((BLOCK_Q, D)"),
+        }
+        out = {}
+        for name, src in variants.items():
+            assert name == "solution" or src != kernel_src, name
+            ns = {"cuda": cuda, "float64": float64, "math": math, "np": np}
+            exec(compile(src, name, "exec"), ns)
+            r = run_question("lab05", "q1", [ns["make_kernel"]])
+            out[name] = [r.score, r.max_score, r.feedback]
+        for name, src in {"launch": launch_src, "floor_grid": launch_src.replace("(n + BLOCK_Q - 1)", "n")}.items():
+            ns = {"cuda": cuda, "math": math, "np": np}
+            exec(compile(src, name, "exec"), ns)
+            r = run_question("lab05", "q2", [ns["run_kernel"]])
+            out[name] = [r.score, r.max_score, r.feedback]
+        print(json.dumps(out))
+    """)
+    assert res["solution"][0] == res["solution"][1] == 6, res["solution"][2]
+    assert res["launch"][0] == res["launch"][1] == 2, res["launch"][2]
+    for name in ("no_first_barrier", "no_second_barrier"):
+        score, _, feedback = res[name]
+        assert score <= 1 and "missing barrier" in feedback, (name, feedback)
+        assert "[FAIL] no data races" in feedback
+    for name in ("unguarded_load", "whole_last_tile"):
+        score, _, feedback = res[name]
+        assert score < 6 and ("ragged tile" in feedback), (name, feedback)
+    score, _, feedback = res["tile_block_q"]
+    assert score < 6 and "shared tile of the wrong size" in feedback, feedback
+    score, _, feedback = res["floor_grid"]
+    assert score == 0 and "last ragged block of queries" in feedback, feedback

@@ -1,0 +1,222 @@
+"""Lab 05 — a FlashAttention kernel in ``numba.cuda``, graded in the CUDA simulator.
+
+q1 ``make_kernel(BLOCK_Q, BLOCK_K, D, DV)`` returns the student's kernel (the tile loop is theirs: stage K and V
+tiles in shared memory, barrier, update each row's state, barrier). It is launched through
+:func:`flashlab.numba_kernels.launch` inside :func:`flashlab.numba_kernels.trace_shared_memory`, which records
+every shared-memory access with the barrier count of the thread that made it. That makes the three classic
+mistakes visible whatever order the simulator ran the threads in:
+
+* a missing ``cuda.syncthreads()`` — two threads touch one shared element between the same two barriers, one
+  writing (a data race; on a GPU the result depends on timing, in the simulator usually garbage);
+* reading past the last ragged tile — the simulator raises IndexError for a read of K or V beyond m (a GPU reads
+  whatever lies there), or, when the load is guarded but the update still walks all BLOCK_K rows, the answer
+  is wrong only when m is not a multiple of BLOCK_K;
+* a shared tile of the wrong size — the trace holds every shared array's shape; too small raises IndexError.
+
+q2 ``run_kernel(kernel, Q, K, V, BLOCK_Q)`` launches a (correct, package) kernel: grid, block, outputs, scale.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import numba_kernels, reference
+from .core import Case, Lab, Mutant, Trial, allclose
+
+LAB = Lab("lab05", "A FlashAttention kernel in numba.cuda")
+
+_NEEDS_SIMULATOR = (
+    "this lab runs kernels in the CUDA simulator: restart the kernel and run the first cells in order "
+    "(use_simulator() must run before numba.cuda is imported)"
+)
+
+
+def _qkv(t: Trial, batch: int, n: int, m: int, d: int, dv: int):
+    return (t.rng.standard_normal((batch, n, d)), t.rng.standard_normal((batch, m, d)),
+            t.rng.standard_normal((batch, m, dv)))
+
+
+def _case(t: Trial, batch, n, m, d, dv, bq, bk) -> Case:
+    return Case((*_qkv(t, batch, n, m, d, dv), bq, bk),
+                f"batch={batch}, n={n}, m={m}, d={d}, dv={dv}, BLOCK_Q={bq}, BLOCK_K={bk}")
+
+
+def _ref(case: Case):
+    return reference.attention(*case.args[:3])
+
+
+def _zero_padded_ref(case: Case):
+    """What a kernel computes when its last tile runs over all BLOCK_K rows, the missing keys read as zeros."""
+    Q, K, V, _, bk = case.args
+    pad = (-K.shape[1]) % bk
+    K = np.concatenate([K, np.zeros(K.shape[:1] + (pad, K.shape[2]))], axis=1)
+    V = np.concatenate([V, np.zeros(V.shape[:1] + (pad, V.shape[2]))], axis=1)
+    scale = 1.0 / math.sqrt(Q.shape[2])
+    return reference.attention(Q, K, V, scale=scale)
+
+
+# ------------------------------------------------------------------------------------------- q1: the kernel
+@LAB.question("q1", points=6, objects=("make_kernel",))
+def q1(t: Trial, make_kernel):
+    """make_kernel's kernel stages K/V tiles in shared memory, synchronises, and updates each row's state."""
+    if not numba_kernels.simulator_active():
+        return 0.0, _NEEDS_SIMULATOR
+    info: dict[str, dict] = {}
+
+    def run(factory, case: Case):
+        Q, K, V, bq, bk = case.args
+        record = info.setdefault(case.label, {})
+        kernel = factory(bq, bk, Q.shape[2], V.shape[2])
+        with numba_kernels.trace_shared_memory() as trace:
+            try:
+                return numba_kernels.launch(kernel, Q, K, V, block_q=bq)
+            except IndexError as e:
+                if trace.out_of_bounds:
+                    name, index, shape = trace.out_of_bounds[0]
+                    record["small_tile"] = True
+                    raise IndexError(f"shared tile too small: an array of shape {shape} was indexed at {list(index)}; "
+                                     "the K tile needs (BLOCK_K, D), the V tile (BLOCK_K, DV)") from None
+                if K.shape[1] % bk:
+                    record["overrun"] = True
+                    raise IndexError(f"read past the end of K or V on the last ragged tile (m={K.shape[1]}, "
+                                     f"BLOCK_K={bk}): only rows k0 + j < m exist; guard the load ({e})") from None
+                raise
+            finally:
+                record.update(races=list(trace.races), shapes=dict(trace.shapes), dtypes=dict(trace.dtypes),
+                              barriers=trace.barriers, ragged=K.shape[1] % bk != 0)
+
+    def raced(case, got, expected):
+        return bool(info.get(case.label, {}).get("races"))
+
+    def whole_last_tile(case, got, expected):
+        record = info.get(case.label, {})
+        if not record.get("ragged") or record.get("races"):
+            return False
+        if allclose(got[:1], _zero_padded_ref(case)[:1]):
+            return True  # the padding rows were zeros
+        # garbage (old keys) in the padding: wrong only where the last tile is ragged
+        return bool(full_tiles_right)
+
+    def low_precision(case, got, expected):
+        return any(v != "float64" for v in info.get(case.label, {}).get("dtypes", {}).values())
+
+    mutants = [
+        Mutant("missing barrier: the threads read a shared tile that other threads had not finished writing "
+               "(or overwrote it while others still read it). Call cuda.syncthreads() after loading a tile and "
+               "again after using it.", explains=raced),
+        Mutant("reading past the last ragged tile: when m is not a multiple of BLOCK_K the last tile has only "
+               "m - k0 keys; the update must stop there (the extra rows of the tile hold zeros or old keys).",
+               explains=whole_last_tile),
+        Mutant("shared tiles in a lower precision than the inputs: allocate them as float64, like Q, K and V.",
+               explains=low_precision),
+    ]
+    full_tiles_right: list[bool] = []  # set after the first part: were all inputs without a ragged tile right?
+    names = ("O", "L")
+
+    even = []
+    for _ in range(3):
+        bq, bk = (int(x) for x in t.rng.choice([4, 8, 16], size=2))
+        n, m = bq * int(t.rng.integers(1, 3)), bk * int(t.rng.integers(1, 4))
+        d, dv = (int(x) for x in t.rng.integers(1, 7, size=2))
+        even.append(_case(t, int(t.rng.integers(1, 3)), n, m, d, dv, bq, bk))
+    if t.compare("n and m multiples of the blocks", 2, student=make_kernel, cases=even, reference=_ref, run=run,
+                 mutants=mutants, names=names):
+        full_tiles_right.append(True)
+
+    ragged = [_case(t, 1, 1, 1, 2, 3, 4, 4)]  # one query, one key: far smaller than a tile
+    for _ in range(4):
+        bq, bk = (int(x) for x in t.rng.choice([4, 8, 16], size=2))
+        n = int(t.rng.integers(1, 40))
+        m = bk * int(t.rng.integers(0, 3)) + int(t.rng.integers(1, bk))
+        d, dv = (int(x) for x in t.rng.integers(1, 7, size=2))
+        ragged.append(_case(t, int(t.rng.integers(1, 3)), n, m, d, dv, bq, bk))
+    hint = ""
+    ok = t.compare("ragged: n or m not a multiple of the blocks", 2, student=make_kernel, cases=ragged,
+                   reference=_ref, run=run, mutants=mutants, names=names)
+    if not ok and any(r.get("overrun") for r in info.values()):
+        hint = "(reading past the last ragged tile: see the IndexError above)"
+        t.parts[-1] = (*t.parts[-1][:3], t.parts[-1][3] + "\n" + hint)
+
+    # Tile shapes on a launch where BLOCK_Q != BLOCK_K and D != DV, so that every confusion shows.
+    bq, bk, d, dv = 8, 4, 3, 5
+    shape_case = _case(t, 1, 11, 9, d, dv, bq, bk)
+    try:
+        run(make_kernel, shape_case)
+    except Exception:
+        pass
+    record = info.get(shape_case.label, {})
+    shapes, dtypes = record.get("shapes", {}), record.get("dtypes", {})
+    want = sorted([(bk, d), (bk, dv)])
+    got = sorted(tuple(s) for s in shapes.values())
+    if got == want and all(v == "float64" for v in dtypes.values()):
+        t.expect("shared tiles are (BLOCK_K, D) and (BLOCK_K, DV), float64", 1, True)
+    else:
+        shown = ", ".join(f"{s} {dtypes.get(k, '')}" for k, s in shapes.items()) or "none"
+        t.expect("shared tiles are (BLOCK_K, D) and (BLOCK_K, DV), float64", 1, False,
+                 f"shared tile of the wrong size: with BLOCK_Q={bq}, BLOCK_K={bk}, D={d}, DV={dv} your kernel "
+                 f"allocated {shown}; a K tile holds BLOCK_K keys of D values, a V tile BLOCK_K rows of DV, in "
+                 f"float64 like the inputs.")
+
+    records = list(info.values())
+    races = [r for rec in records for r in rec.get("races", [])]
+    ran = any(rec.get("shapes") for rec in records) and any(rec.get("barriers") for rec in records)
+    if races:
+        t.expect("no data races on shared memory", 1, False,
+                 f"missing barrier: {races[0]}. Every tile needs cuda.syncthreads() after it is loaded (before "
+                 f"anyone reads it) and after it is used (before the next tile overwrites it).")
+    else:
+        t.expect("no data races on shared memory", 1, ran,
+                 "the kernel never staged a tile in shared memory with a barrier (cuda.shared.array and "
+                 "cuda.syncthreads())")
+    return None
+
+
+# ------------------------------------------------------------------------------------------ q2: the launch
+def _launch_with(grid_fn, threads_fn=lambda bq: bq, scale_fn=lambda d: 1.0 / math.sqrt(d)):
+    def run_kernel(kernel, Q, K, V, BLOCK_Q):
+        batch, n, d = Q.shape
+        O = np.zeros((batch, n, V.shape[2]))
+        L = np.zeros((batch, n))
+        kernel[grid_fn(n, batch, BLOCK_Q), threads_fn(BLOCK_Q)](Q, K, V, O, L, n, K.shape[1], scale_fn(d), False)
+        return O, L
+
+    return run_kernel
+
+
+LAUNCH_MUTANTS = [
+    Mutant("the last ragged block of queries is never launched: n // BLOCK_Q blocks miss the last n % BLOCK_Q "
+           "rows; launch ceil(n / BLOCK_Q) = (n + BLOCK_Q - 1) // BLOCK_Q blocks along x.",
+           fn=_launch_with(lambda n, b, bq: (max(n // bq, 1), b))),
+    Mutant("grid axes swapped: the kernel reads the query block from blockIdx.x and the batch entry from "
+           "blockIdx.y, so the grid is (query blocks, batch).",
+           fn=_launch_with(lambda n, b, bq: (b, (n + bq - 1) // bq))),
+    Mutant("missing the 1/sqrt(d) scale: pass scale = 1 / sqrt(d) to the kernel.",
+           fn=_launch_with(lambda n, b, bq: ((n + bq - 1) // bq, b), scale_fn=lambda d: 1.0)),
+]
+
+
+@LAB.question("q2", points=2, objects=("run_kernel",))
+def q2(t: Trial, run_kernel):
+    """run_kernel(kernel, Q, K, V, BLOCK_Q) launches one block of BLOCK_Q threads per query block and batch entry."""
+    if not numba_kernels.simulator_active():
+        return 0.0, _NEEDS_SIMULATOR
+
+    def run(fn, case: Case):
+        Q, K, V, bq, bk = case.args
+        kernel = numba_kernels.make_cuda_kernel(bq, bk, Q.shape[2], V.shape[2], "float64")
+        try:
+            return fn(kernel, Q, K, V, bq)
+        except IndexError as e:
+            raise IndexError(f"a thread block indexed outside Q, K or V: is the grid (query blocks, batch), "
+                             f"with blockIdx.x walking the queries? ({e})") from None
+
+    cases = [_case(t, 2, 9, 5, 3, 2, 4, 4)]
+    for _ in range(3):
+        bq, bk = (int(x) for x in t.rng.choice([4, 8], size=2))
+        n, m = (int(x) for x in t.rng.integers(1, 30, size=2))
+        cases.append(_case(t, int(t.rng.integers(1, 4)), n, m, int(t.rng.integers(1, 6)), 3, bq, bk))
+    t.compare("outputs of the launched kernel", 2, student=run_kernel, cases=cases, reference=_ref, run=run,
+              mutants=LAUNCH_MUTANTS, names=("O", "L"))
+    return None
