@@ -2,7 +2,9 @@
 
 ``python -m flashlab.cpu_bench`` times the three forward passes at n = 512 ... 4096, d = 64, float32, prints a
 table with medians and ratios against the naive version measured in the same run, and with ``--record NAME``
-writes ``data/cpu_bench/NAME.json`` with the machine and versions it ran on.
+writes ``data/cpu_bench/NAME.json`` with the machine and versions it ran on. Naive attention uses all of
+BLAS's threads; the NumPy tiled version one (its many small products only lose from more); Numba its own
+threads (``NUMBA_NUM_THREADS``, all cores by default).
 
 Memory is measured three ways, because no single tool sees everything:
 
@@ -22,6 +24,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -49,11 +52,19 @@ def naive_attention(Q: np.ndarray, K: np.ndarray, V: np.ndarray) -> tuple[np.nda
 
 
 def _functions(block: int):
+    from threadpoolctl import threadpool_limits
+
     from . import numba_kernels
+
+    def numpy_tiled(Q, K, V):
+        # Many small tile products: one BLAS thread is faster than several (chapter 2). Naive attention keeps
+        # all of BLAS's threads for its two large products: the strongest baseline.
+        with threadpool_limits(limits=1, user_api="blas"):
+            return tiled.forward(Q, K, V, block_q=block, block_k=block, loop_order="q_outer")
 
     return {
         "numpy_naive": naive_attention,
-        "numpy_tiled": lambda Q, K, V: tiled.forward(Q, K, V, block_q=block, block_k=block, loop_order="q_outer"),
+        "numpy_tiled": numpy_tiled,
         "numba_tiled": lambda Q, K, V: numba_kernels.tiled_forward(Q, K, V, block_q=block, block_k=block),
     }
 
@@ -163,21 +174,26 @@ def cpu_model() -> str:
 def machine_activity(limit: int = 5) -> list[str]:
     """The busiest other processes right now (``ps``), so a record says what else was running."""
     try:
-        out = subprocess.run(["ps", "-eo", "pcpu,comm", "--sort=-pcpu", "--no-headers"], capture_output=True,
+        out = subprocess.run(["ps", "-eo", "pcpu,args", "--sort=-pcpu", "--no-headers"], capture_output=True,
                              text=True, timeout=10).stdout
     except (OSError, subprocess.TimeoutExpired):
         return []
-    busy = [" ".join(line.split()) for line in out.splitlines() if line.strip()]
-    return [b for b in busy if float(b.split()[0]) >= 5.0][:limit]
+    busy = [" ".join(line.split())[:100] for line in out.splitlines() if line.strip()]
+    me = str(os.getpid())
+    return [b for b in busy if float(b.split()[0]) >= 5.0 and me not in b][:limit]
 
 
 def provenance(argv: list[str]) -> dict:
     import numba
+    from threadpoolctl import threadpool_info
 
     return {
         "cpu": cpu_model(),
         "logical_cpus": os.cpu_count(),
         "numba_threads": numba.get_num_threads(),
+        "numba_threading_layer": _threading_layer(),
+        "blas": [{k: info.get(k) for k in ("internal_api", "version", "num_threads")}
+                 for info in threadpool_info() if info.get("user_api") == "blas"],
         "platform": platform.platform(),
         "python": platform.python_version(),
         "numpy": np.__version__,
@@ -185,6 +201,15 @@ def provenance(argv: list[str]) -> dict:
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": "python -m flashlab.cpu_bench " + " ".join(shlex.quote(a) for a in argv),
     }
+
+
+def _threading_layer() -> str | None:
+    import numba
+
+    try:
+        return numba.threading_layer()
+    except ValueError:  # no parallel region has run yet
+        return None
 
 
 def summary(rows: list[dict]) -> dict:
@@ -224,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--record", metavar="NAME", help="write data/cpu_bench/NAME.json")
     args = parser.parse_args(argv)
+    if args.record is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", args.record):
+        parser.error("--record takes a plain name (letters, digits, '_', '-', '.'): it names data/cpu_bench/NAME.json")
     before = {"loadavg": list(os.getloadavg()), "busy_processes": machine_activity()}
     rows = run(args.sizes, d=args.d, block=args.block, repeat=args.repeat, seed=args.seed)
     after = {"loadavg": list(os.getloadavg()), "busy_processes": machine_activity()}
