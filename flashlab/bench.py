@@ -83,8 +83,9 @@ def _provenance(argv: list[str]) -> dict:
         prov["torch"] = None
     try:
         root = pathlib.Path(__file__).resolve().parents[1]
-        prov["git_commit"] = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
-                                            text=True, timeout=30).stdout.strip() or None
+        res = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
+        sha = res.stdout.strip()
+        prov["git_commit"] = sha if res.returncode == 0 and len(sha) == 40 else None
     except Exception:  # noqa: BLE001
         prov["git_commit"] = None
     import flashlab.gpu as fgpu

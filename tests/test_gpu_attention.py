@@ -156,6 +156,16 @@ def test_matches_reference_on_random_shapes(rng, name, dt):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("nwarps,bc", [(4, 64), (8, 32), (4, 128)])
+def test_last_rung_with_other_tile_sizes(rng, nwarps, bc):
+    rung = fgpu.rung6_variant(nwarps, bc)
+    for trial in range(6):
+        d = 64 if bc > 64 else int(rng.choice(fgpu.HEAD_DIMS))  # BC = 128 only fits in registers at d = 64
+        n, m = _random_length(rng, rung.block_rows), _random_length(rng, bc)
+        _check(rng, rung, "f16", 1, 2, 1, n, m, d, bool(trial % 2))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name,dt", CASES)
 def test_exact_tiles_and_long_rows(rng, name, dt):
     for d in fgpu.HEAD_DIMS:

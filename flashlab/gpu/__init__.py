@@ -5,7 +5,9 @@ The kernels form a ladder (chapters 6 and 7), one file per rung, each a readable
     scalar        one thread per query row; chapters 1-2's online softmax in C
     smem_tiles    K/V tiles in shared memory, shared by the 64 rows of a block (chapter 3's tiling)
     mma           tensor cores: mma.sync m16n8k16 with S, P and O in registers; a warp owns 16 rows
-    ...           (further rungs are listed in RUNGS)
+    ldmatrix      swizzled shared memory and ldmatrix: no bank conflicts, one instruction per 4 fragments
+    cp_async      cp.async double buffering: the next tile's copy overlaps this tile's math
+    exp2_tiles    exp2 with log2(e) folded into the scale, one division by l, larger blocks, causal skipping
 
 ``attention(q, k, v)`` checks its inputs, picks a rung and launches it. This module imports without CuPy (the
 course runs on CPU machines); only calling a GPU function needs CuPy and a GPU.
@@ -46,6 +48,7 @@ class Rung:
     min_cc: int  # lowest compute capability (75 = sm_75)
     smem_per_d: int  # dynamic shared memory in bytes per unit of head dimension d
     summary: str
+    defines: tuple[str, ...] = ()  # -D options (tile sizes of the tunable rung)
 
     @property
     def path(self) -> pathlib.Path:
@@ -67,9 +70,23 @@ RUNGS: dict[str, Rung] = {
              "K/V tiles of 8 keys in shared memory, shared by a block's 64 rows; one rescale per tile"),
         Rung("mma", "r3_mma.cu", 64, 128, ("f16", "bf16"), 80, 2 * 64 * 2,
              "tensor cores (mma.sync m16n8k16), S/P/O in registers, a warp owns 16 rows"),
+        Rung("ldmatrix", "r4_ldmatrix.cu", 64, 128, ("f16", "bf16"), 80, (64 + 2 * 64) * 2,
+             "swizzled shared memory (no bank conflicts) and ldmatrix / ldmatrix.trans fragment loads"),
+        Rung("cp_async", "r5_cp_async.cu", 64, 128, ("f16", "bf16"), 80, (64 + 4 * 64) * 2,
+             "cp.async double buffering: the next K/V tile loads while this one is computed"),
+        Rung("exp2_tiles", "r6_exp2_tiles.cu", 128, 256, ("f16", "bf16"), 80, (128 + 4 * 64) * 2,
+             "exp2 with log2(e) in the scale, one division by l, 128-row blocks, causal tiles skipped"),
     )
 }
-BEST = {"f32": "smem_tiles", "f16": "mma", "bf16": "mma"}
+BEST = {"f32": "smem_tiles", "f16": "exp2_tiles", "bf16": "exp2_tiles"}
+
+
+def rung6_variant(nwarps: int, bc: int) -> Rung:
+    """The last rung compiled with other tile sizes (NWARPS warps of 16 query rows, BC keys per tile)."""
+    base = RUNGS["exp2_tiles"]
+    return dataclasses.replace(base, name=f"exp2_tiles_w{nwarps}_c{bc}", block_rows=16 * nwarps,
+                               threads=32 * nwarps, smem_per_d=(16 * nwarps + 4 * bc) * 2,
+                               defines=(f"-DNWARPS={nwarps}", f"-DBC={bc}"))
 
 
 def _cupy():
@@ -90,14 +107,14 @@ def compute_capability() -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _module(file: str, source: str):
+def _module(file: str, source: str, defines: tuple[str, ...]):
     # The source text is part of the key: CuPy's own compile cache also keys on it, so an edited .cu recompiles.
-    return _cupy().RawModule(code=source, options=("--std=c++17",))
+    return _cupy().RawModule(code=source, options=("--std=c++17", *defines))
 
 
 def get_kernel(rung: Rung, dtype: str, d: int):
     """The compiled kernel of ``rung`` for one dtype and head dimension, ready to launch."""
-    kern = _module(rung.file, rung.source()).get_function(f"attn_fwd_{dtype}_d{d}")
+    kern = _module(rung.file, rung.source(), rung.defines).get_function(f"attn_fwd_{dtype}_d{d}")
     smem = rung.shared_bytes(d)
     if smem > STATIC_SMEM_LIMIT:
         kern.max_dynamic_shared_size_bytes = smem
@@ -157,7 +174,7 @@ def _check_inputs(q, k, v, bf16: bool):
     return dts.pop()
 
 
-def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kernel: str = "best",
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kernel: str | Rung = "best",
               bf16: bool = False, out: tuple[Any, Any] | None = None):
     """FlashAttention forward on the GPU. Returns ``(o, lse)``.
 
@@ -165,8 +182,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kern
     heads (grouped-query / multi-query attention). CuPy arrays, C-contiguous, float16 or float32, or bfloat16
     bit patterns in uint16 with ``bf16=True``; d is 64 or 128; any n >= 1 and m >= 1. ``causal`` masks as in
     ``flashlab.reference``: query i sees keys j <= i + (m - n). ``scale`` defaults to 1/sqrt(d). ``kernel``
-    names a rung of ``RUNGS`` or is "best" (the fastest rung for the dtype). ``out`` = (o, lse) writes into
-    given arrays instead of allocating (benchmarks; tests poison them first).
+    names a rung of ``RUNGS`` (or is a ``Rung``) or is "best" (the fastest rung for the dtype).
+    ``out`` = (o, lse) writes into given arrays instead of allocating (benchmarks; tests poison them first).
 
     o has q's shape and dtype; lse (q's shape without d, float32) is the logsumexp of each row of scaled
     scores. A row that sees no key (causal with n > m) gets o = 0 and lse = -inf.
@@ -177,10 +194,13 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kern
     dt = _check_inputs(q, k, v, bf16)
     d = q.shape[-1]
     scale = check_scale(scale, d)
-    name = BEST[dt] if kernel == "best" else kernel
-    if name not in RUNGS:
-        raise ValueError(f"unknown kernel {kernel!r}; choose 'best' or one of {sorted(RUNGS)}")
-    rung = RUNGS[name]
+    if isinstance(kernel, Rung):
+        rung, name = kernel, kernel.name
+    else:
+        name = BEST[dt] if kernel == "best" else kernel
+        if name not in RUNGS:
+            raise ValueError(f"unknown kernel {kernel!r}; choose 'best' or one of {sorted(RUNGS)}")
+        rung = RUNGS[name]
     if dt not in rung.dtypes:
         raise ValueError(f"kernel {name!r} supports {rung.dtypes}, not {dt}; use kernel='best'")
     cc = compute_capability()

@@ -1,0 +1,83 @@
+"""``python -m flashlab.gpu.tune``: time the last rung with other tile sizes, to choose its defaults.
+
+Same method as ``flashlab.bench`` (fp16 random inputs, CUDA events, median of --repeat runs after warm-up,
+16 heads, batch x n = --tokens), one line per (tiles, d, n, causal), plus the max difference against the
+default rung's output. Writes data/benchmarks/tune_exp2_tiles.json with provenance unless --no-write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+
+import numpy as np
+
+
+def _launcher(attention, q, k, v, causal, rung, o, lse):
+    def run():
+        attention(q, k, v, causal=causal, kernel=rung, out=(o, lse))
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    import cupy as cp
+
+    from .. import bench
+    from . import RUNGS, attention, rung6_variant
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(prog="python -m flashlab.gpu.tune")
+    p.add_argument("--configs", nargs="+", default=["4x64", "8x64", "4x32", "8x32", "4x128", "8x128"],
+                   help="NWARPSxBC tile configurations")
+    p.add_argument("--d", nargs="+", type=int, default=[64, 128])
+    p.add_argument("--n", nargs="+", type=int, default=[4096, 16384])
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--out", default="data/benchmarks")
+    p.add_argument("--no-write", action="store_true")
+    args = p.parse_args(argv)
+    prov = bench._provenance(argv)
+    prov["command"] = "python -m flashlab.gpu.tune " + " ".join(argv)
+    timer = bench._timer("cupy")
+    rows = []
+    rng = cp.random.default_rng(1)
+    for d in args.d:
+        for n in args.n:
+            batch = max(1, args.tokens // n)
+            for causal in (False, True):
+                q, k, v = (rng.standard_normal((batch, args.heads, n, d), dtype=cp.float32).astype(cp.float16)
+                           for _ in range(3))
+                ref = attention(q, k, v, causal=causal, kernel=RUNGS["exp2_tiles"])[0].astype(cp.float32)
+                for cfg in args.configs:
+                    w, c = (int(x) for x in cfg.split("x"))
+                    if d == 128 and c > 64:  # s[BC/8][4] and O no longer fit in registers: spills
+                        continue
+                    rung = rung6_variant(w, c)
+                    o = cp.full_like(q, np.nan)
+                    lse = cp.empty(q.shape[:-1], cp.float32)
+                    attention(q, k, v, causal=causal, kernel=rung, out=(o, lse))
+                    err = float(cp.abs(o.astype(cp.float32) - ref).max())
+                    ms = statistics.median(timer(_launcher(attention, q, k, v, causal, rung, o, lse), args.repeat, 3))
+                    tf = bench.flop(n, d, batch, args.heads, causal) / (ms * 1e-3) / 1e12
+                    rows.append({"impl": rung.name, "nwarps": w, "bc": c, "d": d, "n": n, "batch": batch,
+                                 "heads": args.heads, "causal": causal, "median_ms": round(ms, 5),
+                                 "tflops": round(tf, 3), "max_abs_diff_vs_default": err})
+                    print(f"{rung.name:<20} d={d:<4} n={n:<6} causal={causal!s:<5} {ms:8.3f} ms {tf:8.2f} TFLOP/s "
+                          f"diff={err:.1e}", flush=True)
+                del q, k, v, ref
+                cp.get_default_memory_pool().free_all_blocks()
+    if not args.no_write:
+        path = pathlib.Path(args.out) / "tune_exp2_tiles.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"provenance": prov, "rows": rows}, indent=1) + "\n")
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
