@@ -333,10 +333,10 @@ def make_cuda_kernel(block_q: int, block_k: int, d: int, dv: int, dtype: str = "
         q = cuda.local.array(D, T)
         acc = cuda.local.array(DV, T)
         for c in range(D):
-            q[c] = Q[b, row, c] * scale if active else 0
+            q[c] = Q[b, row, c] * scale if active else T(0)
         for c in range(DV):
             acc[c] = 0
-        m_i = -math.inf
+        m_i = T(-math.inf)  # typed like the data, so that the arithmetic stays in T (expf for float32)
         l_i = T(0)
         # The same bound for every thread of the block: the last key any of its queries can see.
         k_end = min(m, min(q0 + BLOCK_Q, n) + offset) if causal else m
@@ -345,11 +345,11 @@ def make_cuda_kernel(block_q: int, block_k: int, d: int, dv: int, dtype: str = "
             for e in range(t, BLOCK_K * D, BLOCK_Q):
                 j = e // D
                 c = e % D
-                k_tile[j, c] = K[b, k0 + j, c] if k0 + j < m else 0
+                k_tile[j, c] = K[b, k0 + j, c] if k0 + j < m else T(0)
             for e in range(t, BLOCK_K * DV, BLOCK_Q):
                 j = e // DV
                 c = e % DV
-                v_tile[j, c] = V[b, k0 + j, c] if k0 + j < m else 0
+                v_tile[j, c] = V[b, k0 + j, c] if k0 + j < m else T(0)
             cuda.syncthreads()  # the tile is complete before anyone reads it
             # 2. Fold the tile into this row's state (m_i, l_i, acc), one key at a time.
             if active:
