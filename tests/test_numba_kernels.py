@@ -117,6 +117,18 @@ def test_bad_input_is_a_clear_error():
         numba_kernels.cuda_forward(x, x, x, block_k=2.5)
 
 
+def test_compiles_without_a_writable_cache():
+    # A function numba cannot cache (no source file: like a read-only install with no writable home) still
+    # compiles, uncached, instead of failing at import.
+    from numba import njit
+
+    ns: dict = {}
+    exec("def add_one(x):\n    return x + 1", ns)
+    with pytest.raises(RuntimeError, match="cannot cache"):
+        njit(cache=True)(ns["add_one"])
+    assert numba_kernels._njit()(ns["add_one"])(41) == 42
+
+
 def _peak_rss_growth(fn, *args):
     """Bytes the resident set grew by during fn(*args): Linux's high-water mark, reset just before."""
     def status(key):
