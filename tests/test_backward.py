@@ -168,3 +168,29 @@ def test_bad_inputs(rng):
         backward.backward(Q.astype(int), K, V, O, L, dO)
     with pytest.raises(ValueError, match="dO must have the shape of O"):
         reference.attention_backward(Q, K, V, dO[:-1])
+
+
+def test_lab04_diagnoses_each_known_mistake():
+    from flashlab.grading import lab04, run_question
+
+    for mutant in lab04.MUTANTS:
+        result = run_question("lab04", "q1", [mutant.fn])
+        assert result.score < 6, mutant.message
+        assert mutant.message in result.feedback, (mutant.message, result.feedback)
+    for mutant in lab04.FLOP_MUTANTS:
+        result = run_question("lab04", "q2", [mutant.fn])
+        assert result.score == 0 and mutant.message in result.feedback
+
+
+def test_lab04_memory_part_fails_an_answer_that_stores_p():
+    from flashlab.grading import run_question
+
+    def stores_p(Q, K, V, O, L, dO, block_q, block_k):
+        return reference.attention_backward(Q, K, V, dO)
+
+    def tiled_answer(Q, K, V, O, L, dO, block_q, block_k):
+        return backward.backward(Q, K, V, O, L, dO, block_q=block_q, block_k=block_k)
+
+    result = run_question("lab04", "q1", [stores_p])
+    assert result.score == 5 and "[FAIL] memory" in result.feedback
+    assert run_question("lab04", "q1", [tiled_answer]).score == 6

@@ -155,3 +155,27 @@ def test_backward_closed_forms(rng):
     assert tiled_bwd == pytest.approx(5 * big * 64 * big * 4 * 64 / 116_224, rel=0.05)
     with pytest.raises(ValueError, match="predict_backward knows"):
         iocount.predict_backward("q_outer", n, d, sram=sram)
+
+
+def test_lab03_diagnoses_each_known_mistake():
+    from flashlab.grading import lab03, run_question
+
+    for question, mutants in (("q1", lab03.STANDARD_MUTANTS), ("q2", lab03.KV_OUTER_MUTANTS),
+                              ("q3", lab03.Q_OUTER_MUTANTS), ("q4", lab03.BLOCK_MUTANTS)):
+        for mutant in mutants:
+            result = run_question("lab03", question, [mutant.fn])
+            assert result.score == 0, (question, mutant.message)
+            assert mutant.message in result.feedback, (question, mutant.message, result.feedback)
+
+
+def test_lab03_block_choice_is_graded_by_traffic():
+    from flashlab.grading import lab03, run_question
+
+    assert run_question("lab03", "q5", [lambda n, d, sram: (sram // (2 * d) - 1, 1)]).score == 2
+    paper = run_question("lab03", "q5", [lambda n, d, sram: iocount.default_blocks("q_outer", d, sram)])
+    assert paper.score == 0 and "is possible" in paper.feedback
+    too_big = run_question("lab03", "q5", [lambda n, d, sram: (sram // d, 1)])
+    assert too_big.score == 0 and "do not fit" in too_big.feedback
+    acc, b_r, b_c = lab03.best_q_outer(4096, 64, 116_224)
+    assert 2 * (b_r + b_c) * 64 <= 116_224 and acc == iocount.predict("q_outer", 4096, 64, sram=116_224,
+                                                                        block_q=b_r, block_k=b_c).accesses
