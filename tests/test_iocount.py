@@ -157,25 +157,57 @@ def test_backward_closed_forms(rng):
         iocount.predict_backward("q_outer", n, d, sram=sram)
 
 
-def test_lab03_diagnoses_each_known_mistake():
-    from flashlab.grading import lab03, run_question
+def _lab03_answers():
+    from flashlab.grading import lab03
 
-    for question, mutants in (("q1", lab03.STANDARD_MUTANTS), ("q2", lab03.KV_OUTER_MUTANTS),
-                              ("q3", lab03.Q_OUTER_MUTANTS), ("q4", lab03.BLOCK_MUTANTS)):
+    def formula(algorithm):
+        return lambda n, d, sram, bq, bk: lab03._rw(iocount.predict(algorithm, n, d, sram=sram, block_q=bq, block_k=bk))
+
+    return {
+        "standard_counts": formula("standard"),
+        "kv_outer_counts": formula("kv_outer"),
+        "q_outer_counts": formula("q_outer"),
+        "paper_blocks": lambda d, sram: iocount.default_blocks("kv_outer", d, sram),
+        "best_q_outer_blocks": lambda n, d, sram: (sram // (2 * d) - 1, 1),
+    }
+
+
+def test_lab03_diagnoses_each_known_mistake():
+    from flashlab.grading import get_lab, lab03, run_question
+
+    good = _lab03_answers()
+    for question, slot, mutants in (("q1", 0, lab03.STANDARD_MUTANTS), ("q1", 1, lab03.KV_OUTER_MUTANTS),
+                                    ("q1", 2, lab03.Q_OUTER_MUTANTS), ("q2", 0, lab03.BLOCK_MUTANTS)):
+        names = get_lab("lab03").questions[question].objects
         for mutant in mutants:
-            result = run_question("lab03", question, [mutant.fn])
-            assert result.score == 0, (question, mutant.message)
+            objects = [good[name] for name in names]
+            objects[slot] = mutant.fn
+            result = run_question("lab03", question, objects)
+            assert result.score == result.max_score - (2 if question == "q1" else 1), (question, mutant.message)
             assert mutant.message in result.feedback, (question, mutant.message, result.feedback)
+
+
+def test_lab03_parts_are_graded_separately():
+    from flashlab.grading import run_question
+
+    good = _lab03_answers()
+
+    def unwritten(*args):
+        raise NotImplementedError
+
+    result = run_question("lab03", "q1", [good["standard_counts"], unwritten, unwritten])
+    assert result.score == 2 and result.feedback.count("not implemented yet") == 2
 
 
 def test_lab03_block_choice_is_graded_by_traffic():
     from flashlab.grading import lab03, run_question
 
-    assert run_question("lab03", "q5", [lambda n, d, sram: (sram // (2 * d) - 1, 1)]).score == 2
-    paper = run_question("lab03", "q5", [lambda n, d, sram: iocount.default_blocks("q_outer", d, sram)])
-    assert paper.score == 0 and "is possible" in paper.feedback
-    too_big = run_question("lab03", "q5", [lambda n, d, sram: (sram // d, 1)])
-    assert too_big.score == 0 and "do not fit" in too_big.feedback
+    paper = _lab03_answers()["paper_blocks"]
+    assert run_question("lab03", "q2", [paper, lambda n, d, sram: (sram // (2 * d) - 1, 1)]).score == 3
+    paper_for_q = run_question("lab03", "q2", [paper, lambda n, d, sram: iocount.default_blocks("q_outer", d, sram)])
+    assert paper_for_q.score == 1 and "is possible" in paper_for_q.feedback
+    too_big = run_question("lab03", "q2", [paper, lambda n, d, sram: (sram // d, 1)])
+    assert too_big.score == 1 and "do not fit" in too_big.feedback
     acc, b_r, b_c = lab03.best_q_outer(4096, 64, 116_224)
     assert 2 * (b_r + b_c) * 64 <= 116_224 and acc == iocount.predict("q_outer", 4096, 64, sram=116_224,
                                                                         block_q=b_r, block_k=b_c).accesses

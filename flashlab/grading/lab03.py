@@ -4,10 +4,11 @@ Every formula is graded against :func:`flashlab.iocount.predict`, which chapter 
 check against the access counter itself. The counting model and the default blocks are those of
 :mod:`flashlab.iocount`.
 
-q1 ``standard_counts(n, d, sram, block_q, block_k)``, q2 ``kv_outer_counts(...)``, q3 ``q_outer_counts(...)``
-return ``(reads, writes)``. q4 ``paper_blocks(d, sram)`` returns ``(B_r, B_c)``. q5 ``best_q_outer_blocks(n, d,
-sram)`` returns blocks that fit and move (almost) as little as possible. q6 ``traffic_ratio(n, d, sram)`` is
-standard's accesses over Algorithm 1's with the paper's blocks.
+q1: ``standard_counts(n, d, sram, block_q, block_k)``, ``kv_outer_counts(...)`` and ``q_outer_counts(...)``
+return ``(reads, writes)``; one part each, so a student who has written only the first sees it graded.
+q2: ``paper_blocks(d, sram)`` returns ``(B_r, B_c)``; ``best_q_outer_blocks(n, d, sram)`` returns blocks that fit
+and move (almost) as little as possible. q3: ``traffic_ratio(n, d, sram)`` is standard's accesses over
+Algorithm 1's with default blocks.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import math
 
 from .. import iocount
-from .core import Case, Lab, Mutant, Trial
+from .core import Case, Lab, Mutant, NotImplementedYet, Trial
 
 LAB = Lab("lab03", "Counting memory accesses")
 
@@ -104,36 +105,35 @@ def _cases(t: Trial, algorithm: str, count: int = 10) -> list[Case]:
     return cases
 
 
-def _formula_question(t: Trial, student, algorithm: str, mutants) -> None:
+def _part(t: Trial, label: str, points: float, grade) -> None:
+    """One part of a multi-function question; an unwritten function costs its part only."""
+    try:
+        grade()
+    except NotImplementedYet:
+        t.expect(label, points, False, "not implemented yet (your function still raises NotImplementedError)")
+
+
+def _formula_part(t: Trial, name: str, student, algorithm: str, mutants) -> None:
     cases = _cases(t, algorithm)
 
     def truth(case: Case):
         n, d, sram, bq, bk = case.args
         return _rw(iocount.predict(algorithm, n, d, sram=sram, block_q=bq, block_k=bk))
 
-    t.compare("(reads, writes) equal the counter's", 2, student=student, cases=cases, reference=truth,
-              mutants=mutants, names=("reads", "writes"), rtol=0, atol=0.5)
+    label = f"{name}: (reads, writes) equal the counter's"
+    _part(t, label, 2, lambda: t.compare(label, 2, student=student, cases=cases, reference=truth, mutants=mutants,
+                                         names=("reads", "writes"), rtol=0, atol=0.5))
 
 
-@LAB.question("q1", points=2, objects=("standard_counts",))
-def q1(t: Trial, standard_counts) -> None:
-    """standard_counts(n, d, sram, block_q, block_k) -> (reads, writes) of standard attention."""
-    _formula_question(t, standard_counts, "standard", STANDARD_MUTANTS)
+@LAB.question("q1", points=6, objects=("standard_counts", "kv_outer_counts", "q_outer_counts"))
+def q1(t: Trial, standard_counts, kv_outer_counts, q_outer_counts) -> None:
+    """(reads, writes) of standard attention, Algorithm 1 and FlashAttention-2's order."""
+    _formula_part(t, "standard_counts", standard_counts, "standard", STANDARD_MUTANTS)
+    _formula_part(t, "kv_outer_counts", kv_outer_counts, "kv_outer", KV_OUTER_MUTANTS)
+    _formula_part(t, "q_outer_counts", q_outer_counts, "q_outer", Q_OUTER_MUTANTS)
 
 
-@LAB.question("q2", points=2, objects=("kv_outer_counts",))
-def q2(t: Trial, kv_outer_counts) -> None:
-    """kv_outer_counts(n, d, sram, block_q, block_k) -> (reads, writes) of Algorithm 1."""
-    _formula_question(t, kv_outer_counts, "kv_outer", KV_OUTER_MUTANTS)
-
-
-@LAB.question("q3", points=2, objects=("q_outer_counts",))
-def q3(t: Trial, q_outer_counts) -> None:
-    """q_outer_counts(n, d, sram, block_q, block_k) -> (reads, writes) of FlashAttention-2's order."""
-    _formula_question(t, q_outer_counts, "q_outer", Q_OUTER_MUTANTS)
-
-
-# ----------------------------------------------------------------------------------------------- q4: blocks
+# ------------------------------------------------------------------------------------- q2: the paper's blocks
 def _blocks_ceil(d, sram):
     b_c = math.ceil(sram / (4 * d))
     return min(b_c, d), b_c
@@ -158,9 +158,7 @@ BLOCK_MUTANTS = [
 ]
 
 
-@LAB.question("q4", points=1, objects=("paper_blocks",))
-def q4(t: Trial, paper_blocks) -> None:
-    """paper_blocks(d, sram) -> (B_r, B_c), the paper's rule rounded so that the tiles fit."""
+def _paper_blocks_part(t: Trial, paper_blocks) -> None:
     cases = []
     for _ in range(10):
         d = int(t.rng.integers(1, 257))
@@ -168,11 +166,11 @@ def q4(t: Trial, paper_blocks) -> None:
         if sram % (4 * d) == 0:
             sram += 1
         cases.append(Case((d, sram), f"d={d}, sram={sram}"))
-    t.compare("blocks", 1, student=paper_blocks, cases=cases, mutants=BLOCK_MUTANTS, names=("B_r", "B_c"),
+    t.compare("paper_blocks", 1, student=paper_blocks, cases=cases, mutants=BLOCK_MUTANTS, names=("B_r", "B_c"),
               reference=lambda c: iocount.default_blocks("kv_outer", *c.args), rtol=0, atol=0)
 
 
-# ------------------------------------------------------------------------------------------ q5: choose blocks
+# ------------------------------------------------------------------------------------- q2: choose blocks
 def best_q_outer(n: int, d: int, sram: int) -> tuple[int, int, int]:
     """(accesses, B_r, B_c) of the q_outer blocks that move the least, by exhaustive search over what fits."""
     best = None
@@ -188,9 +186,7 @@ def best_q_outer(n: int, d: int, sram: int) -> tuple[int, int, int]:
     return best
 
 
-@LAB.question("q5", points=2, objects=("best_q_outer_blocks",))
-def q5(t: Trial, best_q_outer_blocks) -> None:
-    """best_q_outer_blocks(n, d, sram) -> (B_r, B_c) that fit M and move within 1 % of the least possible."""
+def _best_blocks_part(t: Trial, best_q_outer_blocks) -> None:
     failures = []
     for _ in range(6):
         d = int(t.rng.choice([16, 32, 64, 128]))
@@ -209,12 +205,19 @@ def q5(t: Trial, best_q_outer_blocks) -> None:
         if got > 1.01 * best:
             failures.append(f"n={n}, d={d}, sram={sram}: your ({b_r}, {b_c}) move {got:,} elements; "
                             f"{best:,} is possible. Which loop re-reads what? Make that block large.")
-    t.expect("blocks fit and are (near) optimal", 2, not failures, "\n".join(failures[:3]))
+    t.expect("best_q_outer_blocks: blocks fit and are (near) optimal", 2, not failures, "\n".join(failures[:3]))
 
 
-# ---------------------------------------------------------------------------------------------- q6: the ratio
-@LAB.question("q6", points=1, objects=("traffic_ratio",))
-def q6(t: Trial, traffic_ratio) -> None:
+@LAB.question("q2", points=3, objects=("paper_blocks", "best_q_outer_blocks"))
+def q2(t: Trial, paper_blocks, best_q_outer_blocks) -> None:
+    """Block sizes: the paper's rule, and the best blocks for FlashAttention-2's order."""
+    _part(t, "paper_blocks", 1, lambda: _paper_blocks_part(t, paper_blocks))
+    _part(t, "best_q_outer_blocks", 2, lambda: _best_blocks_part(t, best_q_outer_blocks))
+
+
+# ---------------------------------------------------------------------------------------------- q3: the ratio
+@LAB.question("q3", points=1, objects=("traffic_ratio",))
+def q3(t: Trial, traffic_ratio) -> None:
     """traffic_ratio(n, d, sram): standard attention's accesses / Algorithm 1's, both with default blocks."""
     cases = [Case((65_536, 64, 227 * 1024 // 2), "n=65536, d=64, M=116224 (H200, bf16)")]
     for _ in range(5):
