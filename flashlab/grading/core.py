@@ -217,6 +217,10 @@ def _copy(x: Any) -> Any:
     return x
 
 
+def _call_case(fn: Callable, case: Case) -> Any:
+    return fn(*case.args, **case.kwargs)
+
+
 def _describe_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"[:300]
 
@@ -231,7 +235,10 @@ class Trial:
     def __init__(self, seed: int) -> None:
         self.seed = int(seed)
         self.rng = np.random.default_rng(self.seed)
-        self.parts: list[tuple[str, float, float, str]] = []  # (label, points earned, points, message)
+        # (label, points earned, points, message); a message may be a callable, evaluated in result(), so that a
+        # diagnosis can use the inputs that later parts of the same question got right.
+        self.parts: list[tuple[str, float, float, Any]] = []
+        self._passes: list[tuple[Any, Callable, Case, tuple]] = []  # (student, run, case, expected)
 
     # -- calling the student ---------------------------------------------------------------------------------
     def call(self, fn: Callable, *args, **kwargs):
@@ -268,9 +275,8 @@ class Trial:
         the outputs in feedback (e.g. ``("O", "L")``). On failure the feedback names the mutant that matches the
         student's output on the most failing cases, else shows the smallest failing input.
         """
-        run = run or (lambda fn, case: fn(*case.args, **case.kwargs))
+        run = run or _call_case
         failures: list[tuple[Case, tuple, Any]] = []  # (case, expected, student output or exception)
-        passes: list[tuple[Case, tuple]] = []
         n_cases = 0
         for case in cases:
             n_cases += 1
@@ -290,11 +296,14 @@ class Trial:
             if not allclose(got, expected, rtol, atol):
                 failures.append((case, expected, got))
             else:
-                passes.append((case, expected))
+                self._passes.append((student, run, case, expected))
         if not failures:
             self.parts.append((f"{label} ({n_cases} random inputs)", points, points, ""))
             return True
-        message = self._diagnose(failures, passes, run, mutants, rtol, atol, names)
+        def message() -> str:
+            passes = [(c, e) for s, r, c, e in self._passes if s is student and r is run]
+            return self._diagnose(failures, passes, run, mutants, rtol, atol, names)
+
         self.parts.append((f"{label} (failed {len(failures)} of {n_cases} inputs)", 0.0, points, message))
         return False
 
@@ -361,7 +370,7 @@ class Trial:
                     hit = False
                 hits += hit
             if hits and mutant.fn is not None:
-                for case, expected in passes[:12]:
+                for case, expected in passes[:40]:
                     try:
                         contradictions += not allclose(key(mutant_output(case)), key(expected), rtol, atol)
                     except Exception:
@@ -408,6 +417,7 @@ class Trial:
         score = max_score * earned / total if total > 0 else 0.0
         lines = []
         for label, got, pts, msg in self.parts:
+            msg = msg() if callable(msg) else msg
             mark = "ok  " if got == pts else "FAIL"
             lines.append(f"[{mark}] {label}: {got:g}/{pts:g}")
             lines += ["       " + m for m in msg.splitlines() if m]
@@ -468,6 +478,10 @@ def run_question(
     try:
         with np.errstate(all="ignore"), _time_limit(time_limit):
             out = question.run(trial, *objects)
+            if out is not None:  # a question may compute its own (points, feedback)
+                points, feedback = out
+                return Result(name, round(float(points), 3), question.points, str(feedback), seed)
+            return trial.result(name, question.points)  # diagnoses run here: mutants may divide by zero too
     except NotImplementedYet:
         msg = "not implemented yet (your function still raises NotImplementedError)"
         return Result(name, 0.0, question.points, msg, seed)
@@ -475,10 +489,6 @@ def run_question(
         return Result(name, 0.0, question.points, f"took longer than {time_limit:g} s: is there an endless loop?", seed)
     except Exception as e:  # a bug the tests did not anticipate: report, never crash the notebook
         return Result(name, 0.0, question.points, f"the check could not run your code: {_describe_error(e)}", seed)
-    if out is not None:  # a question may compute its own (points, feedback)
-        points, feedback = out
-        return Result(name, round(float(points), 3), question.points, str(feedback), seed)
-    return trial.result(name, question.points)
 
 
 def grade_namespace(

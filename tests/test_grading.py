@@ -1,0 +1,289 @@
+"""The grader: mutants are diagnosed by name, stubs score zero, and the batch grader survives bad submissions."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import hashlib
+import io
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import nbformat
+import numpy as np
+import pytest
+
+from flashlab import reference
+from flashlab.grading import available_labs, batch, core, get_lab, lab, lab01, lab02, run_question
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+# ----------------------------------------------------------------------------------- diagnoses, called directly
+def _cases():
+    for q, mutants in (("q1", lab01.UPDATE_MUTANTS), ("q2", lab01.MERGE_MUTANTS), ("q3", lab01.ATTEND_MUTANTS)):
+        for m in mutants:
+            yield pytest.param("lab01", q, m, id=f"lab01-{q}-{m.message[:40]}")
+    for m in lab02.TILES_MUTANTS:
+        yield pytest.param("lab02", "q1", m, id=f"lab02-q1-{m.message[:40]}")
+    for m in lab02.FORWARD_MUTANTS:
+        if m.fn is not None:
+            yield pytest.param("lab02", "q2", m, id=f"lab02-q2-{m.message[:40]}")
+
+
+@pytest.mark.parametrize("lab_id,question,mutant", list(_cases()))
+def test_each_mutant_is_diagnosed_by_name(lab_id, question, mutant):
+    r = run_question(lab_id, question, [mutant.fn])
+    assert r.score < r.max_score, r.feedback
+    assert mutant.message in r.feedback, f"seed {r.seed}:\n{r.feedback}"
+
+
+# The mistakes the course promises to recognise, each as a student would write it.
+def _drop_last_query_tile(Q, K, V, block_q, block_k):
+    n = Q.shape[0]
+    O, L = np.zeros((n, V.shape[1])), np.zeros(n)
+    for q0 in range(0, n - n % block_q, block_q):
+        O[q0 : q0 + block_q], L[q0 : q0 + block_q] = reference.attention(Q[q0 : q0 + block_q], K, V)
+    return O, L
+
+
+def _naive_but_right(Q, K, V, block_q, block_k):
+    return reference.attention(Q, K, V)  # builds the whole n x m matrix
+
+
+@pytest.mark.parametrize(
+    "lab_id,question,fn,phrase",
+    [
+        ("lab01", "q3", lab01._attend_average, "averaging block results"),
+        ("lab01", "q1", lab01._update_no_rescale, "not rescaled"),
+        ("lab01", "q1", lab01._update_no_max, "no max subtraction"),
+        ("lab01", "q1", lab01._update_unguarded, "fully masked block"),
+        ("lab01", "q3", lab01._attend_drop_ragged, "last ragged block is dropped"),
+        ("lab02", "q2", lab02._switch(drop_ragged_k=True), "last ragged K/V tile is dropped"),
+        ("lab02", "q2", _drop_last_query_tile, "last ragged query tile is dropped"),
+        ("lab02", "q2", lab02._switch(normalise_in_loop=True), "normalising inside the loop"),
+        ("lab02", "q2", lab02._switch(scale=False), "missing the 1/sqrt(d) scale"),
+        ("lab02", "q2", lab02._switch(lse=False), "L is the running max"),
+        ("lab02", "q2", lab02._switch(rescale=False), "no rescale when the max grows"),
+        ("lab02", "q2", lab02._switch(subtract_max=False), "no max subtraction"),
+    ],
+)
+def test_promised_diagnoses(lab_id, question, fn, phrase):
+    r = run_question(lab_id, question, [fn])
+    assert r.score < r.max_score and phrase in r.feedback, f"seed {r.seed}:\n{r.feedback}"
+
+
+def test_correct_reference_implementation_scores_full():
+    r = run_question("lab02", "q2", [lab02._switch()])
+    assert r.score == r.max_score == 6, r.feedback
+
+
+def test_materialising_the_score_matrix_fails_only_the_memory_part():
+    r = run_question("lab02", "q2", [_naive_but_right])
+    assert r.score == 5 and "peak memory" in r.feedback and "MB" in r.feedback, r.feedback
+
+
+def test_stub_scores_zero_with_not_implemented():
+    def stub(*args):
+        raise NotImplementedError("write your solution here")
+
+    for lab_id in ("lab01", "lab02"):
+        for q in get_lab(lab_id).questions.values():
+            r = run_question(lab_id, q.name, [stub] * len(q.objects))
+            assert r.score == 0 and "not implemented yet" in r.feedback
+
+
+@pytest.mark.parametrize("ret", [None, "text", (1, 2, 3), [[1, 2], [3]], np.zeros((2, 2))])
+def test_wrong_return_values_give_feedback_not_a_crash(ret):
+    r = run_question("lab02", "q2", [lambda *a: ret])
+    assert r.score == 0 and r.feedback
+
+
+def test_exceptions_are_reported_with_the_smallest_input():
+    def broken(Q, K, V, block_q, block_k):
+        raise IndexError("index 7 is out of bounds")
+
+    r = run_question("lab02", "q2", [broken])
+    assert r.score == 0 and "IndexError: index 7 is out of bounds" in r.feedback
+    assert "Smallest failing input" in r.feedback
+
+
+def test_an_endless_loop_is_stopped_by_the_time_limit():
+    def forever(n, block):
+        while True:
+            pass
+
+    t0 = time.perf_counter()
+    r = run_question("lab02", "q1", [forever], time_limit=1.0)
+    assert r.score == 0 and "took longer" in r.feedback and time.perf_counter() - t0 < 10
+
+
+def test_a_seed_replays_the_same_inputs():
+    a = run_question("lab01", "q1", [lab01._update_no_rescale], seed=1234)
+    b = run_question("lab01", "q1", [lab01._update_no_rescale], seed=1234)
+    assert a.seed == b.seed == 1234 and a.feedback == b.feedback and a.score == b.score
+
+
+def test_fresh_inputs_every_run():
+    seen = {run_question("lab01", "q1", [lab01._update_no_rescale]).feedback for _ in range(3)}
+    assert len(seen) > 1
+
+
+def test_check_prints_points_and_defers_in_batch_mode(capsys, monkeypatch):
+    check = lab("lab01")
+    check("q3", lab01._attend_average)
+    out = capsys.readouterr().out
+    assert out.startswith("q3: 0/2 points") and "seed" in out and "averaging block results" in out
+    check("q9", lab01._attend_average)
+    assert "has no question 'q9'" in capsys.readouterr().out
+    monkeypatch.setenv(core.BATCH_ENV, "1")
+    check("q3", lab01._attend_average)
+    assert "deferred" in capsys.readouterr().out
+
+
+def test_registry():
+    assert {"lab01", "lab02"} <= set(available_labs())
+    with pytest.raises(ValueError, match="unknown lab"):
+        get_lab("lab99")
+    with pytest.raises(ValueError, match="lab id"):
+        get_lab("../etc")
+
+
+def test_lab_is_found_from_metadata_call_or_name():
+    p = pathlib.Path("alice.ipynb")
+    assert batch.find_lab_id({"metadata": {"flashlab": {"lab": "lab02"}}, "cells": []}, p) == "lab02"
+    cell = {"cell_type": "code", "source": 'from flashlab.grading import lab; check = lab("lab01")'}
+    assert batch.find_lab_id({"cells": [cell]}, p) == "lab01"
+    assert batch.find_lab_id({"cells": []}, pathlib.Path("lab02_mine.ipynb")) == "lab02"
+    assert batch.find_lab_id({"cells": []}, p) is None
+
+
+# ----------------------------------------------------------------------------------------- the batch grader
+def _solution_code_cells() -> list:
+    nb = nbformat.read(ROOT / "solutions" / "lab01_online_softmax.ipynb", as_version=4)
+    return [nbformat.v4.new_code_cell(c.source) for c in nb.cells if c.cell_type == "code" and "def " in c.source]
+
+
+def _submission(path: pathlib.Path, bad_source: str | None, lab_line: bool = True) -> pathlib.Path:
+    nb = nbformat.v4.new_notebook()
+    head = "import numpy as np\n" + ('from flashlab.grading import lab; check = lab("lab01")' if lab_line else "")
+    cells = [nbformat.v4.new_code_cell(head)]
+    if bad_source:
+        cells.append(nbformat.v4.new_code_cell(bad_source))
+    nb.cells = cells + _solution_code_cells() + [nbformat.v4.new_code_cell('check("q1", online_update)')]
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def bad_batch(tmp_path_factory):
+    d = tmp_path_factory.mktemp("submissions")
+    pid_file = d.parent / f"{d.name}-hard-hang.pid"
+    subs = {
+        "raises": _submission(d / "raises.ipynb", 'raise RuntimeError("boom")'),
+        "hangs": _submission(d / "hangs.ipynb", "while True:\n    pass"),
+        "hangs_hard": _submission(
+            d / "hangs_hard.ipynb",
+            f"import os, signal\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+            "signal.signal(signal.SIGINT, signal.SIG_IGN)  # ignores the interrupt: only a kill stops it\n"
+            "while True:\n    pass",
+        ),
+        "prints": _submission(d / "prints.ipynb", 'import sys\nfor _ in range(40):\n    sys.stdout.write("x" * 10**6)'),
+        "deletes": _submission(d / "deletes.ipynb", 'import os\nfor f in os.listdir("."):\n    os.remove(f)'),
+        "nolab": _submission(d / "nolab.ipynb", None, lab_line=False),
+    }
+    (d / "garbage.ipynb").write_text("this is not a notebook {")
+    subs["garbage"] = d / "garbage.ipynb"
+    (d / "sentinel.txt").write_text("must survive")
+    before = {k: hashlib.sha256(p.read_bytes()).hexdigest() for k, p in subs.items()}
+    csv_path = d.parent / f"{d.name}.csv"
+    buf = io.StringIO()
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(buf):
+        rc = batch.main([str(d), str(d / "missing.ipynb"), "--json", "--csv", str(csv_path), "--timeout", "25",
+                         "--jobs", "2"])
+    elapsed = time.perf_counter() - t0
+    rows = {pathlib.Path(r["path"]).stem: r for r in map(json.loads, buf.getvalue().splitlines())}
+    after = {k: hashlib.sha256(p.read_bytes()).hexdigest() for k, p in subs.items()}
+    return {"rc": rc, "rows": rows, "before": before, "after": after, "dir": d, "csv": csv_path,
+            "pid_file": pid_file, "elapsed": elapsed}
+
+
+def test_batch_survives_a_raising_cell(bad_batch):
+    r = bad_batch["rows"]["raises"]
+    assert bad_batch["rc"] == 0 and r["error"] is None and r["score"] == r["max_score"] == 10
+
+
+def test_batch_interrupts_an_endless_cell_and_still_grades(bad_batch):
+    r = bad_batch["rows"]["hangs"]
+    assert r["error"] is None and r["score"] == r["max_score"], r
+
+
+def test_batch_kills_a_submission_that_ignores_interrupts(bad_batch):
+    r = bad_batch["rows"]["hangs_hard"]
+    assert r["score"] == 0 and "timed out after 25 s" in r["error"]
+    pid = int(bad_batch["pid_file"].read_text())
+    status = pathlib.Path(f"/proc/{pid}/status")
+    if status.exists():  # a zombie waiting for its reaper is dead too
+        assert "zombie" in status.read_text().lower(), f"kernel {pid} is still running"
+
+
+def test_batch_survives_megabytes_of_output(bad_batch):
+    r = bad_batch["rows"]["prints"]
+    assert r["error"] is None and r["score"] == r["max_score"]
+
+
+def test_batch_survives_a_submission_that_deletes_files(bad_batch):
+    r = bad_batch["rows"]["deletes"]
+    assert r["error"] is None and r["score"] == r["max_score"]
+    assert (bad_batch["dir"] / "sentinel.txt").read_text() == "must survive"
+
+
+def test_submissions_bytes_unchanged(bad_batch):
+    assert bad_batch["before"] == bad_batch["after"]
+
+
+def test_error_rows_for_unknown_lab_unreadable_and_missing(bad_batch):
+    rows = bad_batch["rows"]
+    assert "cannot tell which lab" in rows["nolab"]["error"]
+    assert "not a readable notebook" in rows["garbage"]["error"]
+    assert "cannot read" in rows["missing"]["error"]
+    for k in ("nolab", "garbage", "missing"):
+        assert rows[k]["score"] == 0 and rows[k]["max_score"] == 0
+
+
+def test_batch_csv_and_json_formats(bad_batch):
+    rows = bad_batch["rows"]
+    assert len(rows) == 8
+    for r in rows.values():
+        assert {"path", "score", "max_score", "questions"} <= set(r)
+    graded = rows["raises"]
+    assert [q["name"] for q in graded["questions"]] == ["q1", "q2", "q3"]
+    with open(bad_batch["csv"], newline="") as f:
+        table = list(csv.DictReader(f))
+    assert [c for c in table[0]] == ["student", "path", "lab", "q1", "q2", "q3", "total", "max_score", "error"]
+    by_student = {r["student"]: r for r in table}
+    assert set(by_student) == set(rows)
+    assert float(by_student["raises"]["total"]) == 10 and by_student["hangs_hard"]["error"].startswith("timed out")
+
+
+def test_batch_parallel_time_is_bounded(bad_batch):
+    # 8 submissions, 2 at a time, one of them killed at 25 s: far less than running them one after another.
+    assert bad_batch["elapsed"] < 150
+
+
+def test_cli_entry_points(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-m", "flashlab", "grade", str(tmp_path / "nope.ipynb")], cwd=ROOT,
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0 and "cannot read" in out.stdout and "nope.ipynb" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "flashlab", "release", "--check"], cwd=ROOT, capture_output=True,
+                         text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    out = subprocess.run([sys.executable, "-m", "flashlab", "grade", "--timeout", "0", "x.ipynb"], cwd=ROOT,
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 2 and "--timeout" in out.stderr
