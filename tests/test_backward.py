@@ -194,3 +194,25 @@ def test_lab04_memory_part_fails_an_answer_that_stores_p():
     result = run_question("lab04", "q1", [stores_p])
     assert result.score == 5 and "[FAIL] memory" in result.feedback
     assert run_question("lab04", "q1", [tiled_answer]).score == 6
+
+
+def test_chapter_4_teaching_version_agrees_with_the_package(rng):
+    import json
+    import math
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "04_backward.ipynb"
+    cells = [c for c in json.loads(path.read_text())["cells"]
+             if c["cell_type"] == "code" and "teaching" in c.get("metadata", {}).get("tags", [])]
+    assert cells, "chapter 4 has no cell tagged 'teaching'"
+    namespace = {"np": np, "math": math}
+    for cell in cells:
+        exec(compile("".join(cell["source"]), f"{path.name}:teaching", "exec"), namespace)
+    for _ in range(4):
+        n, m, d = (int(x) for x in rng.integers(1, 90, size=3))
+        bq, bk = (int(x) for x in rng.integers(1, 40, size=2))
+        Q, K, V, dO = _case(rng, n, m, d, d)
+        O, L = tiled.forward(Q, K, V)
+        taught = namespace["flash_backward"](Q, K, V, O, L, dO, block_q=bq, block_k=bk)
+        for t, p in zip(taught, backward.backward(Q, K, V, O, L, dO, block_q=bq, block_k=bk), strict=True):
+            np.testing.assert_allclose(t, p, rtol=1e-12, atol=1e-13)
