@@ -156,11 +156,12 @@ def test_matches_reference_on_random_shapes(rng, name, dt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("nwarps,bc", [(4, 64), (8, 32), (4, 128)])
-def test_last_rung_with_other_tile_sizes(rng, nwarps, bc):
-    rung = fgpu.rung6_variant(nwarps, bc)
+@pytest.mark.parametrize("variant", [("r6", 4, 64), ("r6", 8, 32), ("r6", 4, 128), ("r7", 8, 32), ("r7", 4, 32)])
+def test_tunable_rungs_with_other_tile_sizes(rng, variant):
+    which, nwarps, bc = variant
+    rung = fgpu.rung6_variant(nwarps, bc) if which == "r6" else fgpu.rung7_variant(nwarps, bc)
     for trial in range(6):
-        d = 64 if bc > 64 else int(rng.choice(fgpu.HEAD_DIMS))  # BC = 128 only fits in registers at d = 64
+        d = 64 if (which == "r6" and bc > 64) else int(rng.choice(fgpu.HEAD_DIMS))  # r6 BC=128 fits only at d=64
         n, m = _random_length(rng, rung.block_rows), _random_length(rng, bc)
         _check(rng, rung, "f16", 1, 2, 1, n, m, d, bool(trial % 2))
 

@@ -8,6 +8,7 @@ The kernels form a ladder (chapters 6 and 7), one file per rung, each a readable
     ldmatrix      swizzled shared memory and ldmatrix: no bank conflicts, one instruction per 4 fragments
     cp_async      cp.async double buffering: the next tile's copy overlaps this tile's math
     exp2_tiles    exp2 with log2(e) folded into the scale, one division by l, larger blocks, causal skipping
+    warp32        a warp owns 32 query rows, so each fragment loaded from shared memory feeds two mma
 
 ``attention(q, k, v)`` checks its inputs, picks a rung and launches it. This module imports without CuPy (the
 course runs on CPU machines); only calling a GPU function needs CuPy and a GPU.
@@ -46,7 +47,7 @@ class Rung:
     threads: int  # threads per block
     dtypes: tuple[str, ...]  # "f32", "f16", "bf16"
     min_cc: int  # lowest compute capability (75 = sm_75)
-    smem_per_d: int  # dynamic shared memory in bytes per unit of head dimension d
+    smem_per_d: int | tuple[int, int]  # dynamic shared memory in bytes per unit of d (or one per d in HEAD_DIMS)
     summary: str
     defines: tuple[str, ...] = ()  # -D options (tile sizes of the tunable rung)
 
@@ -55,7 +56,9 @@ class Rung:
         return KERNEL_DIR / self.file
 
     def shared_bytes(self, d: int) -> int:
-        return self.smem_per_d * d
+        if isinstance(self.smem_per_d, int):
+            return self.smem_per_d * d
+        return dict(zip(HEAD_DIMS, self.smem_per_d, strict=True))[d] * d
 
     def source(self) -> str:
         return self.path.read_text()
@@ -76,17 +79,28 @@ RUNGS: dict[str, Rung] = {
              "cp.async double buffering: the next K/V tile loads while this one is computed"),
         Rung("exp2_tiles", "r6_exp2_tiles.cu", 128, 256, ("f16", "bf16"), 80, (128 + 4 * 64) * 2,
              "exp2 with log2(e) in the scale, one division by l, 128-row blocks, causal tiles skipped"),
+        Rung("warp32", "r7_warp32.cu", 128, 128, ("f16", "bf16"), 80, ((128 + 4 * 64) * 2, (128 + 4 * 32) * 2),
+             "a warp owns 32 rows: every K/V fragment feeds two mma; Q re-read from shared memory"),
     )
 }
-BEST = {"f32": "smem_tiles", "f16": "exp2_tiles", "bf16": "exp2_tiles"}
+BEST = {"f32": "smem_tiles", "f16": "warp32", "bf16": "warp32"}
 
 
 def rung6_variant(nwarps: int, bc: int) -> Rung:
-    """The last rung compiled with other tile sizes (NWARPS warps of 16 query rows, BC keys per tile)."""
+    """Rung 6 compiled with other tile sizes (NWARPS warps of 16 query rows, BC keys per tile)."""
     base = RUNGS["exp2_tiles"]
     return dataclasses.replace(base, name=f"exp2_tiles_w{nwarps}_c{bc}", block_rows=16 * nwarps,
                                threads=32 * nwarps, smem_per_d=(16 * nwarps + 4 * bc) * 2,
                                defines=(f"-DNWARPS={nwarps}", f"-DBC={bc}"))
+
+
+def rung7_variant(nwarps: int, bc64: int, bc128: int = 32) -> Rung:
+    """Rung 7 compiled with other tile sizes (NWARPS warps of 32 rows; keys per tile at d = 64 and d = 128)."""
+    base = RUNGS["warp32"]
+    rows = 32 * nwarps
+    return dataclasses.replace(base, name=f"warp32_w{nwarps}_c{bc64}_{bc128}", block_rows=rows,
+                               threads=32 * nwarps, smem_per_d=((rows + 4 * bc64) * 2, (rows + 4 * bc128) * 2),
+                               defines=(f"-DNWARPS={nwarps}", f"-DBC_D64={bc64}", f"-DBC_D128={bc128}"))
 
 
 def _cupy():

@@ -1,8 +1,8 @@
-"""``python -m flashlab.gpu.tune``: time the last rung with other tile sizes, to choose its defaults.
+"""``python -m flashlab.gpu.tune``: time a tunable rung (6 or 7) with other tile sizes, to choose its defaults.
 
 Same method as ``flashlab.bench`` (fp16 random inputs, CUDA events, median of --repeat runs after warm-up,
 16 heads, batch x n = --tokens), one line per (tiles, d, n, causal), plus the max difference against the
-default rung's output. Writes data/benchmarks/tune_exp2_tiles.json with provenance unless --no-write.
+default rung's output. Writes data/benchmarks/tune_RUNG.json with provenance unless --no-write.
 """
 
 from __future__ import annotations
@@ -27,12 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     import cupy as cp
 
     from .. import bench
-    from . import RUNGS, attention, rung6_variant
+    from . import RUNGS, attention, rung6_variant, rung7_variant
 
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(prog="python -m flashlab.gpu.tune")
-    p.add_argument("--configs", nargs="+", default=["4x64", "8x64", "4x32", "8x32", "4x128", "8x128"],
-                   help="NWARPSxBC tile configurations")
+    p.add_argument("--rung", choices=("exp2_tiles", "warp32"), default="warp32")
+    p.add_argument("--configs", nargs="+", default=["4x64", "8x64", "4x32", "8x32"],
+                   help="NWARPSxBC tile configurations (BC = keys per tile; warp32 uses BC at d = 64, 32 at d = 128)")
     p.add_argument("--d", nargs="+", type=int, default=[64, 128])
     p.add_argument("--n", nargs="+", type=int, default=[4096, 16384])
     p.add_argument("--tokens", type=int, default=16384)
@@ -52,12 +53,19 @@ def main(argv: list[str] | None = None) -> int:
             for causal in (False, True):
                 q, k, v = (rng.standard_normal((batch, args.heads, n, d), dtype=cp.float32).astype(cp.float16)
                            for _ in range(3))
-                ref = attention(q, k, v, causal=causal, kernel=RUNGS["exp2_tiles"])[0].astype(cp.float32)
+                ref = attention(q, k, v, causal=causal, kernel=RUNGS[args.rung])[0].astype(cp.float32)
+                seen = set()
                 for cfg in args.configs:
                     w, c = (int(x) for x in cfg.split("x"))
-                    if d == 128 and c > 64:  # s[BC/8][4] and O no longer fit in registers: spills
-                        continue
-                    rung = rung6_variant(w, c)
+                    if args.rung == "exp2_tiles":
+                        if d == 128 and c > 64:  # s[BC/8][4] and O no longer fit in registers: spills
+                            continue
+                        rung = rung6_variant(w, c)
+                    else:
+                        rung = rung7_variant(w, c if d == 64 else 64, 32)
+                        if (d, w, rung.name) in seen:  # d = 128 always uses 32-key tiles here
+                            continue
+                        seen.add((d, w, rung.name))
                     o = cp.full_like(q, np.nan)
                     lse = cp.empty(q.shape[:-1], cp.float32)
                     attention(q, k, v, causal=causal, kernel=rung, out=(o, lse))
@@ -72,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                 del q, k, v, ref
                 cp.get_default_memory_pool().free_all_blocks()
     if not args.no_write:
-        path = pathlib.Path(args.out) / "tune_exp2_tiles.json"
+        path = pathlib.Path(args.out) / f"tune_{args.rung}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"provenance": prov, "rows": rows}, indent=1) + "\n")
         print(f"wrote {path}")

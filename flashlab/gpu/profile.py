@@ -1,0 +1,112 @@
+"""``python -m flashlab.gpu.profile``: one forward pass of one implementation, bracketed for Nsight Compute.
+
+Run it under ``ncu --profile-from-start off ...``: the inputs are made and the kernels compiled and run once
+(warm-up) before ``cudaProfilerStart``, so only the measured call's kernels are profiled. Used to record the
+DRAM bytes of naive attention against the last rung at the paper's shape (N = 1024, d = 64, 16 heads, batch 64)
+and the per-rung counters (bank conflicts, occupancy, stalls) of chapter 7.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import io
+import json
+import pathlib
+import sys
+
+
+def summarize(csv_text: str) -> list[dict]:
+    """Sum Nsight Compute's ``--csv`` metrics over the kernels of each profiled process (one per impl).
+
+    Returns one dict per process, in order: the impl (from this script's "profiled ..." line), the kernels it
+    launched, and every metric summed over them (e.g. dram__bytes_read.sum in bytes).
+    """
+    out: list[dict] = []
+    by_pid: dict[str, dict] = {}
+    header = None
+    pending_impl = []
+    for row in csv.reader(io.StringIO(csv_text)):
+        if not row:
+            continue
+        if row[0] == "ID":
+            header = row
+            continue
+        line = ",".join(row)
+        if line.startswith("profiled "):
+            pending_impl.append(line.split()[1])
+            continue
+        if header is None or len(row) != len(header):
+            continue
+        d = dict(zip(header, row, strict=True))
+        pid = d["Process ID"]
+        if pid not in by_pid:
+            by_pid[pid] = {"kernels": [], "metrics": collections.defaultdict(float)}
+            out.append(by_pid[pid])
+        entry = by_pid[pid]
+        if d["ID"] not in {k["id"] for k in entry["kernels"]}:
+            entry["kernels"].append({"id": d["ID"], "name": d["Kernel Name"][:120], "grid": d["Grid Size"]})
+        value = d["Metric Value"].replace(",", "")
+        try:
+            entry["metrics"][d["Metric Name"]] += float(value)
+        except ValueError:
+            pass
+    # The "profiled IMPL" line is printed by each process after its kernels ran; pair them in order.
+    for entry, impl in zip(out, pending_impl, strict=False):
+        entry["impl"] = impl
+        entry["metrics"] = dict(entry["metrics"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "summarize":  # python -m flashlab.gpu.profile summarize NCU.csv [PROVENANCE.json]
+        data = {"source": argv[1], "processes": summarize(pathlib.Path(argv[1]).read_text())}
+        if len(argv) > 2:
+            data["provenance"] = json.loads(pathlib.Path(argv[2]).read_text())
+        print(json.dumps(data, indent=1))
+        return 0
+    p = argparse.ArgumentParser(prog="python -m flashlab.gpu.profile")
+    p.add_argument("--impl", required=True, help="cupy_naive, sdpa_flash or a rung of flashlab.gpu.RUNGS")
+    p.add_argument("--d", type=int, default=64)
+    p.add_argument("--n", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--causal", action="store_true")
+    args = p.parse_args(argv)
+    import cupy as cp
+
+    from . import attention, naive_attention
+
+    rng = cp.random.default_rng(3)
+    shape = (args.batch, args.heads, args.n, args.d)
+    q, k, v = (rng.standard_normal(shape, dtype=cp.float32).astype(cp.float16) for _ in range(3))
+    if args.impl == "cupy_naive":
+        def run():
+            return naive_attention(q, k, v, causal=args.causal)
+    elif args.impl == "sdpa_flash":
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+
+        def run():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=args.causal)
+    else:
+        def run():
+            return attention(q, k, v, causal=args.causal, kernel=args.impl)
+
+    run()  # compile and warm up outside the profiled range
+    cp.cuda.Device().synchronize()
+    cp.cuda.profiler.start()
+    run()
+    cp.cuda.Device().synchronize()
+    cp.cuda.profiler.stop()
+    print(f"profiled {args.impl} shape={shape} causal={args.causal}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
