@@ -10,7 +10,8 @@ How to add a lab (e.g. lab 03) — two files, nothing else to edit
 
        from flashlab.grading import lab; check = lab("lab03")
 
-   and a check cell follows each task: ``check("q1", flash_backward)``. The batch grader finds the lab from
+   and a check cell follows each task: ``check("q1", flash_backward)`` (or ``check("q1")``: the objects are then
+   looked up by name in the notebook's globals; ``seed=N`` replays a run). The batch grader finds the lab from
    that ``lab("lab03")`` call (or the ``labNN`` file-name prefix) and grades the objects named below.
 
 2. ``flashlab/grading/lab03.py`` — found by its name (``labNN``), no central list::
