@@ -49,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"time the slow rungs {SLOW_RUNGS} only up to this n (they take seconds per call)")
     p.add_argument("--out", default="data/benchmarks", help="output directory")
     p.add_argument("--no-write", action="store_true", help="print the table only")
+    p.add_argument("--table", metavar="JSON", help="print the markdown table of a recorded file and exit (no GPU)")
     return p
 
 
@@ -182,6 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table; write data/benchmarks/NAME.json unless --no-write."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
+    if args.table:
+        data = json.loads(pathlib.Path(args.table).read_text())
+        prov = data["provenance"]
+        print(f"{prov['gpu']}, {prov['date_utc']}, `{prov['command']}`\n")
+        print(markdown_table(data["rows"]))
+        return 0
     if args.repeat < 20:
         raise SystemExit("--repeat must be at least 20 (CONVENTIONS: medians of >= 20 runs)")
     try:
@@ -259,6 +266,20 @@ def format_table(rows: list[dict]) -> str:
         lines.append(f"{r['impl']:<12} {r['d']:>4} {r['n']:>6} {r['causal']!s:>6} {r['median_ms']:>9.3f} "
                      f"{r['tflops']:>8.2f} {pct[0]} {pct[1]}")
     return "\n".join(lines)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """Markdown table of recorded rows: TFLOP/s and % of sdpa_flash / sdpa_cudnn for each (d, n, causal)."""
+    refs = {(r["impl"], r["d"], r["n"], r["causal"]): r["tflops"] for r in rows}
+    out = ["| impl | d | n | causal | ms | TFLOP/s | % sdpa_flash | % sdpa_cudnn |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["d"], r["n"], r["causal"])):
+        key = (r["d"], r["n"], r["causal"])
+        pct = [f"{100 * r['tflops'] / refs[(ref, *key)]:.1f}" if refs.get((ref, *key)) else "-"
+               for ref in ("sdpa_flash", "sdpa_cudnn")]
+        out.append(f"| {r['impl']} | {r['d']} | {r['n']} | {r['causal']} | {r['median_ms']:.3f} | {r['tflops']:.1f} "
+                   f"| {pct[0]} | {pct[1]} |")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":  # pragma: no cover

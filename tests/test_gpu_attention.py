@@ -156,10 +156,16 @@ def test_matches_reference_on_random_shapes(rng, name, dt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [("r6", 4, 64), ("r6", 8, 32), ("r6", 4, 128), ("r7", 8, 32), ("r7", 4, 32)])
+@pytest.mark.parametrize("variant", [("r6", 4, 64), ("r6", 8, 32), ("r6", 4, 128), ("r7", 8, 32), ("r7", 4, 32),
+                                     ("r8", 4, 32), ("r8", 8, 64)])
 def test_tunable_rungs_with_other_tile_sizes(rng, variant):
     which, nwarps, bc = variant
-    rung = fgpu.rung6_variant(nwarps, bc) if which == "r6" else fgpu.rung7_variant(nwarps, bc)
+    if which == "r6":
+        rung = fgpu.rung6_variant(nwarps, bc)
+    elif which == "r7":
+        rung = fgpu.rung7_variant(nwarps, bc)
+    else:
+        rung = fgpu.rung7_variant(nwarps, bc, bc, base="lean")
     for trial in range(6):
         d = 64 if (which == "r6" and bc > 64) else int(rng.choice(fgpu.HEAD_DIMS))  # r6 BC=128 fits only at d=64
         n, m = _random_length(rng, rung.block_rows), _random_length(rng, bc)
@@ -191,6 +197,16 @@ def test_huge_logits(rng, name, dt):
     # Scores of size ~1000 (scale 1): exp overflows unless the running max is subtracted first.
     for d, causal in ((64, False), (128, True)):
         _check(rng, name, dt, 1, 1, 1, 70, 90, d, causal, scale=1.0, magnitude=1000.0 / np.sqrt(d))
+
+
+@pytest.mark.gpu
+def test_negative_scale_falls_back_or_is_refused(rng):
+    import cupy as cp
+
+    for name in fgpu.POSITIVE_SCALE_ONLY:
+        with pytest.raises(ValueError, match="scale > 0"):
+            fgpu.attention(*(cp.ones((8, 64), cp.float16),) * 3, scale=-0.1, kernel=name)
+    _check(rng, "best", "f16", 1, 2, 1, 40, 70, 64, True, scale=-0.125)  # best -> a rung that takes any scale
 
 
 @pytest.mark.gpu

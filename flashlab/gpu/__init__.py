@@ -9,6 +9,7 @@ The kernels form a ladder (chapters 6 and 7), one file per rung, each a readable
     cp_async      cp.async double buffering: the next tile's copy overlaps this tile's math
     exp2_tiles    exp2 with log2(e) folded into the scale, one division by l, larger blocks, causal skipping
     warp32        a warp owns 32 query rows, so each fragment loaded from shared memory feeds two mma
+    lean          one FFMA per exponent, O rescaled only when a row's max moved, 64-key tiles at d = 128
 
 ``attention(q, k, v)`` checks its inputs, picks a rung and launches it. This module imports without CuPy (the
 course runs on CPU machines); only calling a GPU function needs CuPy and a GPU.
@@ -81,9 +82,12 @@ RUNGS: dict[str, Rung] = {
              "exp2 with log2(e) in the scale, one division by l, 128-row blocks, causal tiles skipped"),
         Rung("warp32", "r7_warp32.cu", 128, 128, ("f16", "bf16"), 80, ((128 + 4 * 64) * 2, (128 + 4 * 32) * 2),
              "a warp owns 32 rows: every K/V fragment feeds two mma; Q re-read from shared memory"),
+        Rung("lean", "r8_lean_softmax.cu", 128, 128, ("f16", "bf16"), 80, (128 + 4 * 64) * 2,
+             "one FFMA per exponent, O rescaled only when a row max moves, 64-key tiles at d = 128 (scale > 0)"),
     )
 }
-BEST = {"f32": "smem_tiles", "f16": "warp32", "bf16": "warp32"}
+BEST = {"f32": "smem_tiles", "f16": "lean", "bf16": "lean"}
+POSITIVE_SCALE_ONLY = {"lean": "warp32"}  # rung -> the rung "best" falls back to when scale <= 0
 
 
 def rung6_variant(nwarps: int, bc: int) -> Rung:
@@ -94,11 +98,11 @@ def rung6_variant(nwarps: int, bc: int) -> Rung:
                                defines=(f"-DNWARPS={nwarps}", f"-DBC={bc}"))
 
 
-def rung7_variant(nwarps: int, bc64: int, bc128: int = 32) -> Rung:
-    """Rung 7 compiled with other tile sizes (NWARPS warps of 32 rows; keys per tile at d = 64 and d = 128)."""
-    base = RUNGS["warp32"]
+def rung7_variant(nwarps: int, bc64: int, bc128: int = 32, base: str = "warp32") -> Rung:
+    """Rung 7 (or 8: base="lean") with other tile sizes (NWARPS warps of 32 rows; keys per tile at d = 64, 128)."""
+    base_rung = RUNGS[base]
     rows = 32 * nwarps
-    return dataclasses.replace(base, name=f"warp32_w{nwarps}_c{bc64}_{bc128}", block_rows=rows,
+    return dataclasses.replace(base_rung, name=f"{base}_w{nwarps}_c{bc64}_{bc128}", block_rows=rows,
                                threads=32 * nwarps, smem_per_d=((rows + 4 * bc64) * 2, (rows + 4 * bc128) * 2),
                                defines=(f"-DNWARPS={nwarps}", f"-DBC_D64={bc64}", f"-DBC_D128={bc128}"))
 
@@ -214,6 +218,10 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kern
         name = BEST[dt] if kernel == "best" else kernel
         if name not in RUNGS:
             raise ValueError(f"unknown kernel {kernel!r}; choose 'best' or one of {sorted(RUNGS)}")
+        if scale <= 0 and name in POSITIVE_SCALE_ONLY:
+            if kernel != "best":
+                raise ValueError(f"kernel {name!r} needs scale > 0 (it keeps the max of unscaled scores); got {scale}")
+            name = POSITIVE_SCALE_ONLY[name]
         rung = RUNGS[name]
     if dt not in rung.dtypes:
         raise ValueError(f"kernel {name!r} supports {rung.dtypes}, not {dt}; use kernel='best'")

@@ -31,9 +31,9 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(prog="python -m flashlab.gpu.tune")
-    p.add_argument("--rung", choices=("exp2_tiles", "warp32"), default="warp32")
+    p.add_argument("--rung", choices=("exp2_tiles", "warp32", "lean"), default="lean")
     p.add_argument("--configs", nargs="+", default=["4x64", "8x64", "4x32", "8x32"],
-                   help="NWARPSxBC tile configurations (BC = keys per tile; warp32 uses BC at d = 64, 32 at d = 128)")
+                   help="NWARPSxBC tile sizes (BC = keys per tile; warp32: BC at d = 64, always 32 at d = 128)")
     p.add_argument("--d", nargs="+", type=int, default=[64, 128])
     p.add_argument("--n", nargs="+", type=int, default=[4096, 16384])
     p.add_argument("--tokens", type=int, default=16384)
@@ -61,11 +61,13 @@ def main(argv: list[str] | None = None) -> int:
                         if d == 128 and c > 64:  # s[BC/8][4] and O no longer fit in registers: spills
                             continue
                         rung = rung6_variant(w, c)
-                    else:
+                    elif args.rung == "warp32":
                         rung = rung7_variant(w, c if d == 64 else 64, 32)
                         if (d, w, rung.name) in seen:  # d = 128 always uses 32-key tiles here
                             continue
                         seen.add((d, w, rung.name))
+                    else:
+                        rung = rung7_variant(w, c, c, base="lean")
                     o = cp.full_like(q, np.nan)
                     lse = cp.empty(q.shape[:-1], cp.float32)
                     attention(q, k, v, causal=causal, kernel=rung, out=(o, lse))
