@@ -202,15 +202,13 @@ def bad_batch(tmp_path_factory):
     before = {k: hashlib.sha256(p.read_bytes()).hexdigest() for k, p in subs.items()}
     csv_path = d.parent / f"{d.name}.csv"
     buf = io.StringIO()
-    t0 = time.perf_counter()
     with contextlib.redirect_stdout(buf):
         rc = batch.main([str(d), str(d / "missing.ipynb"), "--json", "--csv", str(csv_path), "--timeout", "25",
                          "--jobs", "2"])
-    elapsed = time.perf_counter() - t0
     rows = {pathlib.Path(r["path"]).stem: r for r in map(json.loads, buf.getvalue().splitlines())}
     after = {k: hashlib.sha256(p.read_bytes()).hexdigest() for k, p in subs.items()}
     return {"rc": rc, "rows": rows, "before": before, "after": after, "dir": d, "csv": csv_path,
-            "pid_file": pid_file, "elapsed": elapsed}
+            "pid_file": pid_file}
 
 
 def test_batch_survives_a_raising_cell(bad_batch):
@@ -269,11 +267,6 @@ def test_batch_csv_and_json_formats(bad_batch):
     by_student = {r["student"]: r for r in table}
     assert set(by_student) == set(rows)
     assert float(by_student["raises"]["total"]) == 10 and by_student["hangs_hard"]["error"].startswith("timed out")
-
-
-def test_batch_parallel_time_is_bounded(bad_batch):
-    # 8 submissions, 2 at a time, one of them killed at 25 s: far less than running them one after another.
-    assert bad_batch["elapsed"] < 150
 
 
 def test_cli_entry_points(tmp_path):
