@@ -355,30 +355,184 @@ def count(algorithm: str, n: int, d: int, *, sram: int, block_q: int | None = No
     return counts
 
 
+# --- the backward pass -------------------------------------------------------------------------------------
+
+BACKWARD_ALGORITHMS = ("standard", "kv_outer")
+
+
+def default_blocks_backward(algorithm: str, d: int, sram: int) -> tuple[int, int]:
+    """``(B_r, B_c)`` for the backward when none are given.
+
+    Standard attention keeps its forward blocks. The paper's Algorithm 4 reuses the forward's rule, but it holds
+    eight tiles at once (K_j, V_j, dK_j, dV_j and Q_i, O_i, dO_i, dQ_i): ``4 (B_r + B_c) d``, twice the forward's.
+    So that they fit, we take ``B_r = min(floor(M / 8d), d)`` and ``B_c = floor(M / 4d) - B_r``.
+    """
+    if algorithm not in BACKWARD_ALGORITHMS:
+        raise ValueError(f"the backward is modelled for {BACKWARD_ALGORITHMS}; got {algorithm!r}")
+    if algorithm == "standard":
+        return default_blocks("standard", d, sram)
+    if sram < 8 * d:
+        raise SramOverflow(f"the tiled backward needs M >= 8d = {8 * d} to hold its eight tiles; got M = {sram}")
+    b_r = min(sram // (8 * d), d)
+    return b_r, sram // (4 * d) - b_r
+
+
+def _backward_blocks(algorithm, d, sram, block_q, block_k) -> tuple[int, int]:
+    if algorithm not in BACKWARD_ALGORITHMS:
+        raise ValueError(f"the backward is modelled for {BACKWARD_ALGORITHMS}; got {algorithm!r}")
+    if block_q is None or block_k is None:
+        b_r, b_c = default_blocks_backward(algorithm, d, sram)
+        block_q = b_r if block_q is None else block_q
+        block_k = b_c if block_k is None else block_k
+    return check_block(block_q, "block_q"), check_block(block_k, "block_k")
+
+
+def _backward_sram_need(algorithm, n, d, sram, b_r, b_c) -> int:
+    r, c = min(b_r, n), min(b_c, n)
+    if algorithm == "standard":
+        rows = 2 * n * min(n, sram // (2 * n)) if 2 * n <= sram else 0  # slabs of rows of P and dP together
+        return max((r + r) * d, rows)  # its GEMM passes use square blocks of B_r rows
+    return 4 * (r + c) * d
+
+
 def predict_backward(algorithm: str, n: int, d: int, *, sram: int, block_q: int | None = None,
                      block_k: int | None = None) -> Counts:
-    """Closed-form HBM traffic of the backward pass on one ``n x d`` head (derived in chapter 3, not counted).
+    """Closed-form counts of the backward pass on one ``n x d`` head; :func:`count_backward` runs it.
 
-    Same counting model and default blocks as :func:`predict`; the forward's saved results are already in HBM.
+    The forward's results (P for standard attention; O, l, m for the tiled one) and dO are already in HBM.
 
-    * ``"standard"`` — the paper's Algorithm 3, with the forward's GEMM tiling (``T = ceil(n/B_r)``, square
-      blocks): dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(P * dP)) (one sweep over P and dP, rows held),
-      dQ = dS K, dK = dS^T Q. Reads ``5 n^2 + nd + 4 T nd``; writes ``2 n^2 + 3 nd``. FLOPs ``8 n^2 d``.
+    * ``"standard"`` — the paper's Algorithm 3 in five passes, each GEMM blocked like the forward's (blocks of
+      ``B = block_q`` rows, ``T = ceil(n / B)``): dV = P^T dO; dP = dO V^T; dS = P * (dP - rowsum(P * dP)) with
+      rows of P and dP held together when ``2n <= M`` (else both are streamed twice); dQ = scale dS K;
+      dK = scale dS^T Q. Reads ``5 n^2 + nd + 4 T nd`` (``+ 2 n^2`` when ``2n > M``), writes ``2 n^2 + 3 nd``,
+      FLOPs ``8 n^2 d``.
     * ``"kv_outer"`` — the paper's Algorithm 4: dQ, dK, dV initialised in HBM; for each K/V block (loaded once,
-      its dK_j, dV_j accumulated on chip and written once) every Q block streams past with its O_i, dO_i, dQ_i,
-      l_i and m_i, and dQ_i is written back. Reads ``2nd + T_c (4nd + 2n)``; writes ``3nd + T_c nd + 2nd``.
-      FLOPs ``10 n^2 d`` (S is recomputed): 2.5 times the forward's ``4 n^2 d``.
-
-    ``sram_peak`` is left 0: the paper's backward uses the forward's block rule although it keeps twice as many
-    tiles on chip (K_j, V_j, dK_j, dV_j and Q_i, O_i, dO_i, dQ_i), so it is not held to M here.
+      dK_j and dV_j accumulated on chip and written once) every Q block streams past with O_i, dO_i, dQ_i, l_i
+      and m_i; P_ij is recomputed and dQ_i written back. Reads ``2nd + T_c (4nd + 2n)``, writes
+      ``3nd + 2nd + T_c nd``, FLOPs ``10 n^2 d`` (2.5 times the forward's ``4 n^2 d``), exps ``n^2``.
     """
     n, d, sram = _check_sizes(n, d, sram)
-    if algorithm not in ("standard", "kv_outer"):
-        raise ValueError(f"predict_backward knows 'standard' and 'kv_outer'; got {algorithm!r}")
-    b_r, b_c = _blocks(algorithm, n, d, sram, block_q, block_k)
+    b_r, b_c = _backward_blocks(algorithm, d, sram, block_q, block_k)
+    need = _backward_sram_need(algorithm, n, d, sram, b_r, b_c)
+    if need > sram:
+        raise SramOverflow(f"{algorithm} backward with B_r={b_r}, B_c={b_c}, d={d} holds {need} elements > M = {sram}")
     nd, nn = n * d, n * n
     if algorithm == "standard":
         t = math.ceil(n / b_r)
-        return Counts(5 * nn + nd + 4 * t * nd, 2 * nn + 3 * nd, 8 * nn * d, 0, 0)
+        extra = 0 if 2 * n <= sram else 2 * nn
+        return Counts(5 * nn + nd + 4 * t * nd + extra, 2 * nn + 3 * nd, 8 * nn * d, 0, need)
     t_c = math.ceil(n / b_c)
-    return Counts(2 * nd + t_c * (4 * nd + 2 * n), 5 * nd + t_c * nd, 10 * nn * d, nn, 0)
+    return Counts(2 * nd + t_c * (4 * nd + 2 * n), 5 * nd + t_c * nd, 10 * nn * d, nn, need)
+
+
+def _standard_backward(hbm, sram, tally, n, d, b, scale):
+    Q, K, V, P, dO, dP, dS, dQ, dK, dV = (hbm[k] for k in ("Q", "K", "V", "P", "dO", "dP", "dS", "dQ", "dK", "dV"))
+    blocks = _ranges(n, b)
+    for c0, c1 in blocks:  # dV = P^T dO: a dV block stays on chip while dO streams past
+        acc = sram.alloc((c1 - c0, d))
+        for r0, r1 in blocks:
+            dOi = sram.load(dO, np.s_[r0:r1])
+            acc += tally.matmul(P.read(np.s_[r0:r1, c0:c1]).T, dOi)
+            sram.free(dOi)
+        dV.write(np.s_[c0:c1], acc)
+        sram.free(acc)
+    for r0, r1 in blocks:  # dP = dO V^T
+        dOi = sram.load(dO, np.s_[r0:r1])
+        for c0, c1 in blocks:
+            Vj = sram.load(V, np.s_[c0:c1])
+            dP.write(np.s_[r0:r1, c0:c1], tally.matmul(dOi, Vj.T))
+            sram.free(Vj)
+        sram.free(dOi)
+    if 2 * n <= sram.capacity:  # dS = P * (dP - rowsum(P * dP)), rows of P and dP held together
+        slab = max(1, min(n, sram.capacity // (2 * n)))
+        for r0, r1 in _ranges(n, slab):
+            Pi, dPi = sram.load(P, np.s_[r0:r1]), sram.load(dP, np.s_[r0:r1])
+            dS.write(np.s_[r0:r1], Pi * (dPi - np.sum(Pi * dPi, axis=1, keepdims=True)))
+            sram.free(Pi, dPi)
+    else:  # rows too long: one sweep for the row sums, one to write dS
+        for r0, r1 in blocks:
+            D = np.zeros(r1 - r0)
+            for c0, c1 in blocks:
+                D += np.sum(P.read(np.s_[r0:r1, c0:c1]) * dP.read(np.s_[r0:r1, c0:c1]), axis=1)
+            for c0, c1 in blocks:
+                tile = np.s_[r0:r1, c0:c1]
+                dS.write(tile, P.read(tile) * (dP.read(tile) - D[:, None]))
+    for r0, r1 in blocks:  # dQ = scale dS K
+        acc = sram.alloc((r1 - r0, d))
+        for c0, c1 in blocks:
+            Kj = sram.load(K, np.s_[c0:c1])
+            acc += tally.matmul(dS.read(np.s_[r0:r1, c0:c1]), Kj)
+            sram.free(Kj)
+        dQ.write(np.s_[r0:r1], scale * acc)
+        sram.free(acc)
+    for c0, c1 in blocks:  # dK = scale dS^T Q
+        acc = sram.alloc((c1 - c0, d))
+        for r0, r1 in blocks:
+            Qi = sram.load(Q, np.s_[r0:r1])
+            acc += tally.matmul(dS.read(np.s_[r0:r1, c0:c1]).T, Qi)
+            sram.free(Qi)
+        dK.write(np.s_[c0:c1], scale * acc)
+        sram.free(acc)
+
+
+def _kv_outer_backward(hbm, sram, tally, n, d, b_r, b_c, scale):
+    Q, K, V, O, dO, l, m, dQ, dK, dV = (hbm[k] for k in ("Q", "K", "V", "O", "dO", "l", "m", "dQ", "dK", "dV"))
+    for grad in (dQ, dK, dV):  # Algorithm 4, line 4: initialise in HBM
+        grad.write(np.s_[:], np.zeros((n, d)))
+    for c0, c1 in _ranges(n, b_c):
+        Kj, Vj = sram.load(K, np.s_[c0:c1]), sram.load(V, np.s_[c0:c1])
+        dKj, dVj = sram.alloc((c1 - c0, d)), sram.alloc((c1 - c0, d))
+        for r0, r1 in _ranges(n, b_r):
+            Qi, Oi = sram.load(Q, np.s_[r0:r1]), sram.load(O, np.s_[r0:r1])
+            dOi, dQi = sram.load(dO, np.s_[r0:r1]), sram.load(dQ, np.s_[r0:r1])
+            li, mi = l.read(np.s_[r0:r1]), m.read(np.s_[r0:r1])
+            Pij = np.exp(scale * tally.matmul(Qi, Kj.T) - mi[:, None]) / li[:, None]  # recomputed, never stored
+            tally.exps += Pij.size
+            dVj += tally.matmul(Pij.T, dOi)
+            dSij = Pij * (tally.matmul(dOi, Vj.T) - np.sum(dOi * Oi, axis=1, keepdims=True))
+            dQi += scale * tally.matmul(dSij, Kj)
+            dKj += scale * tally.matmul(dSij.T, Qi)
+            dQ.write(np.s_[r0:r1], dQi)
+            sram.free(Qi, Oi, dOi, dQi)
+        dK.write(np.s_[c0:c1], dKj)
+        dV.write(np.s_[c0:c1], dVj)
+        sram.free(Kj, Vj, dKj, dVj)
+
+
+def count_backward(algorithm: str, n: int, d: int, *, sram: int, block_q: int | None = None,
+                   block_k: int | None = None, seed: int = 0) -> Counts:
+    """Run the backward of ``algorithm`` ("standard" or "kv_outer") through HBM and SRAM and count it.
+
+    Random Q, K, V, dO; the forward's results are put in HBM uncounted (P for standard attention; O, l, m for
+    the tiled one). The gradients are checked against :func:`flashlab.reference.attention_backward`.
+    """
+    n, d, sram = _check_sizes(n, d, sram)
+    b_r, b_c = _backward_blocks(algorithm, d, sram, block_q, block_k)
+    rng = np.random.default_rng(seed)
+    Q, K, V, dO = (rng.standard_normal((n, d)) for _ in range(4))
+    scale = 1.0 / math.sqrt(d)
+    S = scale * (Q @ K.T)
+    row_max = S.max(axis=1)
+    row_sum = np.exp(S - row_max[:, None]).sum(axis=1)
+    P = np.exp(S - row_max[:, None]) / row_sum[:, None]
+    hbm = {name: HBM(name, x) for name, x in (("Q", Q), ("K", K), ("V", V), ("dO", dO))}
+    for name in ("dQ", "dK", "dV"):
+        hbm[name] = HBM(name, np.zeros((n, d)))
+    if algorithm == "standard":
+        hbm.update(P=HBM("P", P), dP=HBM("dP", np.zeros((n, n))), dS=HBM("dS", np.zeros((n, n))))
+    else:
+        hbm.update(O=HBM("O", P @ V), l=HBM("l", row_sum), m=HBM("m", row_max))
+    chip, tally = SRAM(sram), _Tally()
+    if algorithm == "standard":
+        _standard_backward(hbm, chip, tally, n, d, b_r, scale)
+    else:
+        _kv_outer_backward(hbm, chip, tally, n, d, b_r, b_c, scale)
+    if chip.used != 0:
+        raise RuntimeError(f"{algorithm} backward left {chip.used} elements in SRAM")
+    want = reference.attention_backward(Q, K, V, dO)
+    err = max(np.abs(hbm[g].data - w).max() for g, w in zip(("dQ", "dK", "dV"), want, strict=True))
+    if not err <= 1e-11:
+        raise RuntimeError(f"{algorithm} backward computed wrong gradients through the counter (max error {err:.3g})")
+    reads = sum(a.reads for a in hbm.values())
+    writes = sum(a.writes for a in hbm.values())
+    return Counts(reads, writes, tally.flops, tally.exps, chip.peak)
