@@ -134,3 +134,16 @@ def test_csv_has_one_row_per_submission_and_a_column_per_question(graded):
         assert r["student"] == p.stem and float(r["total"]) == float(r["max_score"]) > 0
         qcols = [k for k in r if k.endswith((".q1", ".q2", ".q3")) or k in ("q1", "q2", "q3")]
         assert qcols and sum(float(r[k]) for k in qcols if r[k]) == float(r["total"])
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.name)
+def test_a_check_cell_for_every_question(path):
+    import re
+
+    from flashlab.grading import get_lab
+
+    nb = json.loads(path.read_text())
+    code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+    checked = set(re.findall(r"""\bcheck\(\s*["'](\w+)["']""", code))
+    lab = get_lab(batch.find_lab_id(nb, path))
+    assert checked == set(lab.questions), f"check cells {sorted(checked)} vs questions {sorted(lab.questions)}"
