@@ -33,8 +33,8 @@ def test_every_rung_has_its_kernel_file_and_entry_points():
         for dt in rung.dtypes:
             for d in fgpu.HEAD_DIMS:
                 assert f"attn_fwd_{dt}_d{d}" in src, (rung.file, dt, d)
-    for dt, name in fgpu.BEST.items():
-        assert dt in fgpu.RUNGS[name].dtypes
+    for (dt, d), name in fgpu.BEST.items():
+        assert dt in fgpu.RUNGS[name].dtypes and d in fgpu.HEAD_DIMS
 
 
 # ----------------------------------------------------------------------------------------------------- helpers

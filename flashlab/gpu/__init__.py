@@ -86,7 +86,10 @@ RUNGS: dict[str, Rung] = {
              "one FFMA per exponent, O rescaled only when a row max moves, 64-key tiles at d = 128 (scale > 0)"),
     )
 }
-BEST = {"f32": "smem_tiles", "f16": "lean", "bf16": "lean"}
+# The fastest rung per (dtype, d), from data/benchmarks/ladder.json (H200, 2026-11-29): at d = 64 the lean
+# softmax of rung 8 measured ~3% slower than rung 7 at every n and mask; at d = 128 it is 8-11% faster.
+BEST = {("f32", 64): "smem_tiles", ("f32", 128): "smem_tiles",
+        ("f16", 64): "warp32", ("f16", 128): "lean", ("bf16", 64): "warp32", ("bf16", 128): "lean"}
 POSITIVE_SCALE_ONLY = {"lean": "warp32"}  # rung -> the rung "best" falls back to when scale <= 0
 
 
@@ -200,7 +203,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kern
     heads (grouped-query / multi-query attention). CuPy arrays, C-contiguous, float16 or float32, or bfloat16
     bit patterns in uint16 with ``bf16=True``; d is 64 or 128; any n >= 1 and m >= 1. ``causal`` masks as in
     ``flashlab.reference``: query i sees keys j <= i + (m - n). ``scale`` defaults to 1/sqrt(d). ``kernel``
-    names a rung of ``RUNGS`` (or is a ``Rung``) or is "best" (the fastest rung for the dtype).
+    names a rung of ``RUNGS`` (or is a ``Rung``) or is "best" (the fastest measured rung for the dtype and d).
     ``out`` = (o, lse) writes into given arrays instead of allocating (benchmarks; tests poison them first).
 
     o has q's shape and dtype; lse (q's shape without d, float32) is the logsumexp of each row of scaled
@@ -215,7 +218,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kern
     if isinstance(kernel, Rung):
         rung, name = kernel, kernel.name
     else:
-        name = BEST[dt] if kernel == "best" else kernel
+        name = BEST[(dt, d)] if kernel == "best" else kernel
         if name not in RUNGS:
             raise ValueError(f"unknown kernel {kernel!r}; choose 'best' or one of {sorted(RUNGS)}")
         if scale <= 0 and name in POSITIVE_SCALE_ONLY:
