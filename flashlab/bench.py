@@ -43,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--causal", choices=("no", "yes", "both"), default="both")
     p.add_argument("--tokens", type=int, default=16384, help="batch x n (batch = tokens // n)")
     p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--batch", type=int, default=None, help="fixed batch size (overrides --tokens): memory sweeps")
     p.add_argument("--repeat", type=int, default=30, help="timed runs per row (>= 20)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--slow-max-n", type=int, default=4096,
@@ -209,41 +210,58 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     rng = cp.random.default_rng(0)
+    pool = cp.get_default_memory_pool()
     for d in args.d:
         for n in args.n:
-            batch = max(1, args.tokens // n)
+            batch = args.batch if args.batch else max(1, args.tokens // n)
             for causal in causals:
                 shape = (batch, args.heads, n, d)
                 q, k, v = (rng.standard_normal(shape, dtype=cp.float32).astype(cp.float16) for _ in range(3))
-                # Differences are taken against the first reference present: sdpa_flash, else cupy_naive.
-                ref_name = next((r for r in ("sdpa_flash", "cupy_naive") if r in impls), impls[0])
-                ref = _impl(ref_name, q, k, v, causal)[2]()
+                # Differences are taken against the first reference that runs: sdpa_flash, else cupy_naive.
+                ref, ref_name = None, None
+                for cand in [r for r in ("sdpa_flash", "cupy_naive") if r in impls]:
+                    try:
+                        ref, ref_name = _impl(cand, q, k, v, causal)[2](), cand
+                        break
+                    except Exception:  # noqa: BLE001 - e.g. naive attention out of memory at large n
+                        pool.free_all_blocks()
                 for name in impls:
                     if name in SLOW_RUNGS and n > args.slow_max_n:
                         continue
+                    base = {"impl": name, "pass": "fwd", "dtype": "float16", "d": d, "n": n, "batch": batch,
+                            "heads": args.heads, "causal": causal}
+                    pool.free_all_blocks()
+                    held = pool.total_bytes()
                     try:
                         kind, fn, result = _impl(name, q, k, v, causal)
                         out = result()
-                        err = float(cp.abs(out - ref).max())
+                        extra = pool.total_bytes() - held
+                        err = float(cp.abs(out - ref).max()) if ref is not None else None
                         del out
                         ms = statistics.median(_timer(kind)(fn, args.repeat, args.warmup))
                     except Exception as e:  # noqa: BLE001 - e.g. out of memory: recorded, the table goes on
                         print(f"  {name:<12} d={d} n={n} causal={causal}: {type(e).__name__}: {str(e)[:200]}")
-                        cp.get_default_memory_pool().free_all_blocks()
+                        rows.append({**base, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                        pool.free_all_blocks()
                         continue
-                    cp.get_default_memory_pool().free_all_blocks()
+                    pool.free_all_blocks()
                     f = flop(n, d, batch, args.heads, causal)
-                    rows.append({"impl": name, "pass": "fwd", "dtype": "float16", "d": d, "n": n, "batch": batch,
-                                 "heads": args.heads, "causal": causal, "median_ms": round(ms, 5),
-                                 "tflops": round(f / (ms * 1e-3) / 1e12, 3), "repeat": args.repeat,
-                                 "max_abs_diff": err, "diff_against": ref_name})
+                    # extra_bytes: what CuPy's pool held after one call beyond before it (outputs and temporaries;
+                    # PyTorch's own allocator is not seen, so 0 for sdpa_*): about the call's peak working memory.
+                    rows.append({**base, "median_ms": round(ms, 5), "tflops": round(f / (ms * 1e-3) / 1e12, 3),
+                                 "repeat": args.repeat, "max_abs_diff": err, "diff_against": ref_name,
+                                 "extra_bytes": int(extra)})
                     print(f"  {name:<12} d={d:<4} n={n:<6} causal={causal!s:<5} {ms:9.3f} ms "
-                          f"{rows[-1]['tflops']:8.2f} TFLOP/s  max|diff vs {ref_name}|={err:.2e}", flush=True)
+                          f"{rows[-1]['tflops']:8.2f} TFLOP/s  max|diff vs {ref_name}|={err}  "
+                          f"+{extra / 2**20:.0f} MiB", flush=True)
                 del q, k, v, ref
-                cp.get_default_memory_pool().free_all_blocks()
+                pool.free_all_blocks()
 
     print()
     print(format_table(rows))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['impl']:<12} {r['d']:>4} {r['n']:>6} {r['causal']!s:>6}  {r['error'][:80]}")
     if not args.no_write:
         out = pathlib.Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -255,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def format_table(rows: list[dict]) -> str:
     """Plain-text table: one line per row, with % of sdpa_flash and sdpa_cudnn for the same (d, n, causal)."""
+    rows = [r for r in rows if "error" not in r]
     refs = {(r["impl"], r["d"], r["n"], r["causal"]): r["tflops"] for r in rows}
     lines = [f"{'impl':<12} {'d':>4} {'n':>6} {'causal':>6} {'ms':>9} {'TFLOP/s':>8} {'%flash':>7} {'%cudnn':>7}"]
     for r in rows:
@@ -270,6 +289,7 @@ def format_table(rows: list[dict]) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     """Markdown table of recorded rows: TFLOP/s and % of sdpa_flash / sdpa_cudnn for each (d, n, causal)."""
+    rows = [r for r in rows if "error" not in r]
     refs = {(r["impl"], r["d"], r["n"], r["causal"]): r["tflops"] for r in rows}
     out = ["| impl | d | n | causal | ms | TFLOP/s | % sdpa_flash | % sdpa_cudnn |",
            "|---|---|---|---|---|---|---|---|"]
