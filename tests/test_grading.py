@@ -195,6 +195,7 @@ def bad_batch(tmp_path_factory):
         "prints": _submission(d / "prints.ipynb", 'import sys\nfor _ in range(40):\n    sys.stdout.write("x" * 10**6)'),
         "deletes": _submission(d / "deletes.ipynb", 'import os\nfor f in os.listdir("."):\n    os.remove(f)'),
         "nolab": _submission(d / "nolab.ipynb", None, lab_line=False),
+        "exits": _submission(d / "exits.ipynb", "import os\nos._exit(3)  # kills its own kernel"),
     }
     (d / "garbage.ipynb").write_text("this is not a notebook {")
     subs["garbage"] = d / "garbage.ipynb"
@@ -241,6 +242,11 @@ def test_batch_survives_a_submission_that_deletes_files(bad_batch):
     assert (bad_batch["dir"] / "sentinel.txt").read_text() == "must survive"
 
 
+def test_batch_survives_a_kernel_that_dies(bad_batch):
+    r = bad_batch["rows"]["exits"]
+    assert r["score"] == 0 and "kernel died" in r["error"]
+
+
 def test_submissions_bytes_unchanged(bad_batch):
     assert bad_batch["before"] == bad_batch["after"]
 
@@ -256,7 +262,7 @@ def test_error_rows_for_unknown_lab_unreadable_and_missing(bad_batch):
 
 def test_batch_csv_and_json_formats(bad_batch):
     rows = bad_batch["rows"]
-    assert len(rows) == 8
+    assert len(rows) == 9
     for r in rows.values():
         assert {"path", "score", "max_score", "questions"} <= set(r)
     graded = rows["raises"]

@@ -196,7 +196,9 @@ def _worker(notebook: str, result_file: str, pid_file: str, lab_id: str, timeout
     class CappedClient(NotebookClient):
         """Keeps at most OUTPUT_CAP characters of printed output per cell (a notebook may print megabytes)."""
 
-        kept: dict = {}
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.kept: dict[int, int] = {}
 
         def output(self, outs, msg, display_id, cell_index):
             if msg["msg_type"] == "stream":
