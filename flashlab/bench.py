@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         data = json.loads(pathlib.Path(args.table).read_text())
         prov = data["provenance"]
         print(f"{prov['gpu']}, {prov['date_utc']}, `{prov['command']}`\n")
-        print(markdown_table(data["rows"]))
+        print(ladder_markdown(data["rows"]) + "\n\n" + markdown_table(data["rows"]))
         return 0
     if args.repeat < 20:
         raise SystemExit("--repeat must be at least 20 (CONVENTIONS: medians of >= 20 runs)")
@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     pool.free_all_blocks()
                     f = flop(n, d, batch, args.heads, causal)
-                    # extra_bytes: what CuPy's pool held after one call beyond before it (outputs and temporaries;
+                    # extra_bytes: what CuPy's pool held after one call beyond before it (outputs, temporaries and the
+                    # float32 copy of the output made for the check above;
                     # PyTorch's own allocator is not seen, so 0 for sdpa_*): about the call's peak working memory.
                     rows.append({**base, "median_ms": round(ms, 5), "tflops": round(f / (ms * 1e-3) / 1e12, 3),
                                  "repeat": args.repeat, "max_abs_diff": err, "diff_against": ref_name,
@@ -300,6 +301,28 @@ def markdown_table(rows: list[dict]) -> str:
         out.append(f"| {r['impl']} | {r['d']} | {r['n']} | {r['causal']} | {r['median_ms']:.3f} | {r['tflops']:.1f} "
                    f"| {pct[0]} | {pct[1]} |")
     return "\n".join(out)
+
+
+LADDER_COLUMNS = [(128, 4096, False), (128, 16384, False), (128, 4096, True), (128, 16384, True),
+                  (64, 4096, False), (64, 16384, False), (64, 4096, True), (64, 16384, True)]
+
+
+def ladder_markdown(rows: list[dict], impls: list[str] | None = None) -> str:
+    """One line per implementation, one column per (d, n, causal): TFLOP/s (% of sdpa_flash in the same run)."""
+    rows = [r for r in rows if "error" not in r]
+    t = {(r["impl"], r["d"], r["n"], r["causal"]): r["tflops"] for r in rows}
+    if impls is None:
+        impls = list(dict.fromkeys(r["impl"] for r in rows))
+    cols = [c for c in LADDER_COLUMNS if any((i, *c) in t for i in impls)]
+    head = " | ".join(f"d={d} n={n}{' causal' if c else ''}" for d, n, c in cols)
+    lines = [f"| impl | {head} |", "|---" * (len(cols) + 1) + "|"]
+    for im in impls:
+        cells = []
+        for key in cols:
+            v, f = t.get((im, *key)), t.get(("sdpa_flash", *key))
+            cells.append("-" if v is None else f"{v:.1f} ({100 * v / f:.0f}%)" if f else f"{v:.1f}")
+        lines.append(f"| {im} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":  # pragma: no cover
