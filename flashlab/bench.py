@@ -23,6 +23,16 @@ import sys
 import numpy as np
 
 REFERENCES = ("cupy_naive", "sdpa_flash", "sdpa_cudnn")
+DATA_DIR = pathlib.Path(__file__).resolve().parents[1] / "data"
+
+
+def load_recorded(name: str) -> dict:
+    """A recorded result: data/benchmarks/NAME.json (or data/ncu/NAME.json), as {"provenance": ..., "rows": ...}."""
+    for sub in ("benchmarks", "ncu"):
+        path = DATA_DIR / sub / f"{name}.json"
+        if path.exists():
+            return json.loads(path.read_text())
+    raise FileNotFoundError(f"no recorded result {name!r} under {DATA_DIR}/benchmarks or {DATA_DIR}/ncu")
 SLOW_RUNGS = ("scalar", "smem_tiles")
 
 

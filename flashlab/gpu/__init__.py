@@ -27,6 +27,10 @@ import dataclasses
 import functools
 import math
 import pathlib
+import re
+import shutil
+import subprocess
+import tempfile
 from typing import Any
 
 import numpy as np
@@ -108,6 +112,53 @@ def rung7_variant(nwarps: int, bc64: int, bc128: int = 32, base: str = "warp32")
     return dataclasses.replace(base_rung, name=f"{base}_w{nwarps}_c{bc64}_{bc128}", block_rows=rows,
                                threads=32 * nwarps, smem_per_d=((rows + 4 * bc64) * 2, (rows + 4 * bc128) * 2),
                                defines=(f"-DNWARPS={nwarps}", f"-DBC_D64={bc64}", f"-DBC_D128={bc128}"))
+
+
+def gpu_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device (chapters switch between live runs and data/)."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device: all mean "no GPU here"
+        return False
+
+
+def compile_report(rung: Rung | str, arch: int = 90, timeout: float = 300) -> list[dict] | None:
+    """Compile a rung's .cu with nvcc for sm_``arch`` and return ptxas's resource usage per kernel.
+
+    Each entry: kernel, registers, shared_bytes (static), stack_bytes, spill_store_bytes, spill_load_bytes.
+    Returns None when nvcc is not installed (the chapters then say so); raises RuntimeError if it fails.
+    """
+    rung = RUNGS[rung] if isinstance(rung, str) else rung
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [nvcc, "-cubin", f"-arch=sm_{arch}", "--std=c++17", "--resource-usage", *rung.defines,
+               "-o", str(pathlib.Path(tmp) / "k.cubin"), str(rung.path)]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr}")
+    return parse_resource_usage(res.stderr + res.stdout)
+
+
+def parse_resource_usage(log: str) -> list[dict]:
+    """Parse ``nvcc --resource-usage`` (ptxas) output into one dict per kernel."""
+    out: list[dict] = []
+    for line in log.splitlines():
+        if m := re.search(r"Function properties for (\w+)", line):
+            out.append({"kernel": m.group(1), "registers": None, "shared_bytes": 0, "stack_bytes": 0,
+                        "spill_store_bytes": 0, "spill_load_bytes": 0})
+        elif out and (m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
+                                     line)):
+            out[-1].update(stack_bytes=int(m.group(1)), spill_store_bytes=int(m.group(2)),
+                           spill_load_bytes=int(m.group(3)))
+        elif out and (m := re.search(r"Used (\d+) registers", line)):
+            out[-1]["registers"] = int(m.group(1))
+            if sm := re.search(r"(\d+) bytes smem", line):
+                out[-1]["shared_bytes"] = int(sm.group(1))
+    return out
 
 
 def _cupy():
