@@ -31,6 +31,9 @@ Algorithms (self-attention, one head: Q, K, V are ``n x d``; ``T_r = ceil(n / B_
 * ``"q_outer"`` — FlashAttention-2's order: one Q block and its O accumulator stay on chip while every K/V
   block streams past; O and L are written once.
 
+The backward passes (the paper's Algorithms 3 and 4) are modelled the same way: :func:`count_backward` runs them
+through the counter, :func:`predict_backward` gives their closed forms (chapter 3, section 8).
+
 Default blocks follow the paper: ``B_c = floor(M / 4d)``, ``B_r = min(B_c, d)``. The paper writes a ceiling,
 which can overshoot M by up to ``4d - 1`` elements; we round down so that the default always fits (both agree
 whenever ``4d`` divides ``M``, as for every Hopper size in chapter 3). Standard attention has no such rule;
