@@ -216,3 +216,13 @@ def test_chapter_4_teaching_version_agrees_with_the_package(rng):
         taught = namespace["flash_backward"](Q, K, V, O, L, dO, block_q=bq, block_k=bk)
         for t, p in zip(taught, backward.backward(Q, K, V, O, L, dO, block_q=bq, block_k=bk), strict=True):
             np.testing.assert_allclose(t, p, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n, m, bq, bk", [(1, 1, 4, 4), (7, 13, 4, 4), (13, 7, 5, 3), (3, 5, 64, 64), (31, 31, 1, 2)])
+def test_edge_shapes(rng, n, m, bq, bk, causal):
+    Q, K, V, dO = _case(rng, n, m, 3, 2)
+    O, L = tiled.forward(Q, K, V, causal=causal)
+    got = backward.backward(Q, K, V, O, L, dO, block_q=bq, block_k=bk, causal=causal)
+    for g, w in zip(got, reference.attention_backward(Q, K, V, dO, causal=causal), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
