@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(prog="python -m flashlab.gpu.tune")
-    p.add_argument("--rung", choices=("exp2_tiles", "warp32", "lean"), default="lean")
+    p.add_argument("--rung", choices=("exp2_tiles", "warp32", "lean", "addressing"), default="addressing")
     p.add_argument("--configs", nargs="+", default=["4x64", "8x64", "4x32", "8x32"],
                    help="NWARPSxBC tile sizes (BC = keys per tile; warp32: BC at d = 64, always 32 at d = 128)")
     p.add_argument("--d", nargs="+", type=int, default=[64, 128])
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                             continue
                         seen.add((d, w, rung.name))
                     else:
-                        rung = rung7_variant(w, c, c, base="lean")
+                        rung = rung7_variant(w, c, c, base=args.rung)
                     o = cp.full_like(q, np.nan)
                     lse = cp.empty(q.shape[:-1], cp.float32)
                     attention(q, k, v, causal=causal, kernel=rung, out=(o, lse))
