@@ -93,10 +93,10 @@ RUNGS: dict[str, Rung] = {
              "32-bit shared addresses, precomputed swizzles, unrolled copies: a quarter fewer instructions"),
     )
 }
-# The fastest rung per (dtype, d), from data/benchmarks/ladder.json (H200, 2026-11-29): at d = 64 the lean
-# softmax of rung 8 measured ~3% slower than rung 7 at every n and mask; at d = 128 it is 8-11% faster.
+# The fastest rung per (dtype, d), from data/benchmarks/ladder.json (H200, 2026-11-29): rung 9 at both d (90-96%
+# of PyTorch's FlashAttention-2 backend); fp32 has no tensor-core rung.
 BEST = {("f32", 64): "smem_tiles", ("f32", 128): "smem_tiles",
-        ("f16", 64): "warp32", ("f16", 128): "lean", ("bf16", 64): "warp32", ("bf16", 128): "lean"}
+        ("f16", 64): "addressing", ("f16", 128): "addressing", ("bf16", 64): "addressing", ("bf16", 128): "addressing"}
 # rung -> the rung "best" falls back to when scale <= 0 (these keep the max of unscaled scores)
 POSITIVE_SCALE_ONLY = {"lean": "warp32", "addressing": "warp32"}
 
