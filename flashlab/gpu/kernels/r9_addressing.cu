@@ -14,6 +14,7 @@
 // * each thread copies the same column chunk of rows r0, r0 + 8, ... (the swizzle of a row depends only on
 //   row % 8, so it is the same for all of them): one address computation per tile, then constant offsets, and
 //   full tiles skip the bounds checks.
+// The arithmetic is rung 8's (raw-unit max, FFMA exponents, conditional rescale, 64-key tiles).
 //
 // Inputs fp16 or bf16 (raw 16-bit patterns). Layout: q (B, H, n, D), k and v (B, Hk, m, D), o like q,
 // lse (B, H, n) fp32. Grid: (ceil(n / BR), H, B) with BR = 32 * NWARPS; block: 32 * NWARPS threads;
@@ -102,12 +103,6 @@ __device__ __forceinline__ void ldsm_x4_t(u32* r, u32 addr) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
 }
-// Offset (in elements) of 16-byte chunk c of row r in a swizzled [rows][D] tile.
-template <int D>
-__device__ __forceinline__ int swz(int r, int c) {
-    return r * D + ((c ^ (r & 7)) << 3);
-}
-
 // Asynchronous 16-byte copy global -> shared; with valid = false nothing is read and 16 zero bytes are written.
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
@@ -138,18 +133,6 @@ __device__ __forceinline__ void copy_rows(u32 dst, const u16* src, int row0, int
             cp_async16(d0 + i * RPP * D * 2, src + (size_t)min(row, limit - 1) * D + c * 8, row < limit);
         }
     }
-}
-
-// ldmatrix.x4 at a 32-bit shared byte address.
-__device__ __forceinline__ void ldsm4(u32* r, u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-__device__ __forceinline__ void ldsm4_t(u32* r, u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
 }
 
 template <class Ty, int D, int BC>
@@ -230,12 +213,12 @@ __device__ void attn_addr(const u16* __restrict__ q, const u16* __restrict__ k, 
         for (int kk = 0; kk < D / 16; ++kk) {
             u32 qa[MT][4];
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) ldsm4(qa[mt], qtile + mt * 16 * D * 2 + SWCOL(kk * 2));
+            for (int mt = 0; mt < MT; ++mt) ldsm_x4(qa[mt], qtile + mt * 16 * D * 2 + SWCOL(kk * 2));
 #pragma unroll
             for (int nt = 0; nt < BC / 8; nt += 2) {
                 // blocks: (keys nt, d lo), (keys nt+1, d lo), (keys nt, d hi), (keys nt+1, d hi)
                 u32 bf[4];
-                ldsm4(bf, klane + nt * 8 * D * 2 + SWCOL(kk * 2));
+                ldsm_x4(bf, klane + nt * 8 * D * 2 + SWCOL(kk * 2));
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     Ty::mma(s[mt][nt], qa[mt], bf[0], bf[2]);
@@ -305,7 +288,7 @@ __device__ void attn_addr(const u16* __restrict__ q, const u16* __restrict__ k, 
 #pragma unroll
             for (int nt = 0; nt < D / 8; nt += 2) {
                 u32 bf[4];
-                ldsm4_t(bf, vlane + kk * 16 * D * 2 + SWCOL(nt));
+                ldsm_x4_t(bf, vlane + kk * 16 * D * 2 + SWCOL(nt));
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     Ty::mma(oacc[mt][nt], pa[mt], bf[0], bf[1]);
