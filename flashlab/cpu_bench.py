@@ -90,12 +90,15 @@ def _rel_error(x, ref) -> float:
     return float(np.linalg.norm(np.asarray(x, np.float64) - ref) / np.linalg.norm(ref))
 
 
-def run(sizes=DEFAULT_SIZES, *, d: int = 64, block: int = 64, repeat: int = 5, seed: int = 0,
+def run(sizes=DEFAULT_SIZES, *, d: int = 64, block: int = 64, repeat: int = 3, rounds: int = 3, seed: int = 0,
         check: bool = True, verbose: bool = True) -> list[dict]:
     """Benchmark the three implementations at each n; return one row per (n, implementation).
 
-    Repeats are interleaved (naive, tiled, numba, naive, ...) so that a change in machine load hits all three
-    alike; the first call of each is an untimed warm-up (it includes Numba's compilation).
+    Each implementation is timed in blocks of calls, each block right after an untimed warm-up call (the very
+    first includes Numba's compilation): after a call, OpenBLAS's worker threads keep spinning for a while and
+    Numba's wait in OpenMP's loop, and either would steal a core from whatever runs next on a 2-core machine.
+    The ``rounds`` blocks of each implementation alternate with the others', so that a slow phase of a shared
+    machine does not fall on one implementation only. ``repeat`` is the number of timed calls per round.
     """
     from numba import get_num_threads
 
@@ -106,13 +109,15 @@ def run(sizes=DEFAULT_SIZES, *, d: int = 64, block: int = 64, repeat: int = 5, s
     rows = []
     for n in sizes:
         Q, K, V = (rng.standard_normal((n, d)).astype(np.float32) for _ in range(3))
-        outputs = {name: fn(Q, K, V) for name, fn in fns.items()}  # warm-up (and compilation)
+        outputs = {}
         times: dict[str, list[float]] = {name: [] for name in fns}
-        for _ in range(repeat):
+        for _ in range(rounds):
             for name, fn in fns.items():
-                t0 = time.perf_counter()
-                fn(Q, K, V)
-                times[name].append(time.perf_counter() - t0)
+                outputs[name] = fn(Q, K, V)  # warm-up (and, the first time, compilation)
+                for _ in range(repeat):
+                    t0 = time.perf_counter()
+                    fn(Q, K, V)
+                    times[name].append(time.perf_counter() - t0)
         O_ref = reference.attention(Q, K, V)[0] if check else None
         for name, fn in fns.items():
             traced, _ = peak_memory(fn, Q, K, V)
@@ -174,13 +179,16 @@ def cpu_model() -> str:
 def machine_activity(limit: int = 5) -> list[str]:
     """The busiest other processes right now (``ps``), so a record says what else was running."""
     try:
-        out = subprocess.run(["ps", "-eo", "pcpu,args", "--sort=-pcpu", "--no-headers"], capture_output=True,
+        out = subprocess.run(["ps", "-eo", "pid,pcpu,args", "--sort=-pcpu", "--no-headers"], capture_output=True,
                              text=True, timeout=10).stdout
     except (OSError, subprocess.TimeoutExpired):
         return []
-    busy = [" ".join(line.split())[:100] for line in out.splitlines() if line.strip()]
-    me = str(os.getpid())
-    return [b for b in busy if float(b.split()[0]) >= 5.0 and me not in b][:limit]
+    busy = []
+    for line in out.splitlines():
+        pid, cpu, args = (line.split(None, 2) + ["", "", ""])[:3]
+        if pid.isdigit() and int(pid) != os.getpid() and float(cpu or 0) >= 5.0:
+            busy.append(f"{cpu}% {args}"[:100])
+    return busy[:limit]
 
 
 def provenance(argv: list[str]) -> dict:
@@ -191,6 +199,7 @@ def provenance(argv: list[str]) -> dict:
         "cpu": cpu_model(),
         "logical_cpus": os.cpu_count(),
         "numba_threads": numba.get_num_threads(),
+        "niceness": os.nice(0),  # below 0: the run had priority over the machine's other processes
         "numba_threading_layer": _threading_layer(),
         "blas": [{k: info.get(k) for k in ("internal_api", "version", "num_threads")}
                  for info in threadpool_info() if info.get("user_api") == "blas"],
@@ -199,7 +208,8 @@ def provenance(argv: list[str]) -> dict:
         "numpy": np.__version__,
         "numba": numba.__version__,
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": "python -m flashlab.cpu_bench " + " ".join(shlex.quote(a) for a in argv),
+        "command": (f"nice -n {os.nice(0)} " if os.nice(0) else "") + "python -m flashlab.cpu_bench "
+        + " ".join(shlex.quote(a) for a in argv),
     }
 
 
@@ -239,20 +249,21 @@ def load(name: str | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: ``python -m flashlab.cpu_bench [--sizes 512 1024 ...] [--repeat R] [--record NAME]``."""
+    """Command line: ``python -m flashlab.cpu_bench [--sizes N ...] [--repeat R] [--rounds B] [--record NAME]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m flashlab.cpu_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES), help="sequence lengths n")
     parser.add_argument("--d", type=int, default=64, help="head dimension")
     parser.add_argument("--block", type=int, default=64, help="block_q = block_k of the tiled versions")
-    parser.add_argument("--repeat", type=int, default=7, help="timed calls per implementation and n")
+    parser.add_argument("--repeat", type=int, default=3, help="timed calls per block")
+    parser.add_argument("--rounds", type=int, default=3, help="blocks per implementation and n, alternating")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--record", metavar="NAME", help="write data/cpu_bench/NAME.json")
     args = parser.parse_args(argv)
     if args.record is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", args.record):
         parser.error("--record takes a plain name (letters, digits, '_', '-', '.'): it names data/cpu_bench/NAME.json")
     before = {"loadavg": list(os.getloadavg()), "busy_processes": machine_activity()}
-    rows = run(args.sizes, d=args.d, block=args.block, repeat=args.repeat, seed=args.seed)
+    rows = run(args.sizes, d=args.d, block=args.block, repeat=args.repeat, rounds=args.rounds, seed=args.seed)
     after = {"loadavg": list(os.getloadavg()), "busy_processes": machine_activity()}
     result = summary(rows)
     print(f"\nat n={result['n']}: numba tiled is {result['speedup_numba_vs_naive']:.2f}x the speed of numpy naive, "

@@ -352,3 +352,36 @@ def test_lab05_names_each_classic_kernel_mistake():
     assert score < 6 and "shared tile of the wrong size" in feedback, feedback
     score, _, feedback = res["floor_grid"]
     assert score == 0 and "last ragged block of queries" in feedback, feedback
+
+
+# ---------------------------------------------------------------------------------------- CPU benchmark
+def test_cpu_bench_rows_are_checked_and_measured():
+    from flashlab import cpu_bench
+
+    rows = cpu_bench.run(sizes=(96,), repeat=1, rounds=1, verbose=False)
+    assert [r["implementation"] for r in rows] == list(cpu_bench.IMPLEMENTATIONS)
+    for r in rows:
+        assert r["rel_error_vs_float64"] <= 1e-5 and r["median_s"] > 0
+    naive = rows[0]
+    assert naive["tracemalloc_peak_bytes"] >= 96 * 96 * 4  # the score matrix is there, and tracemalloc sees it
+    numba_row = rows[2]
+    assert numba_row["analytic_peak_bytes"] > 0 and "numba_threads" in numba_row
+    assert "numba_tiled" in cpu_bench.format_table(rows)
+    assert set(cpu_bench.summary(rows)) >= {"speedup_numba_vs_naive", "memory_ratio_numba_vs_naive", "target_met"}
+
+
+def test_recorded_cpu_bench_runs_carry_provenance():
+    from flashlab import cpu_bench
+
+    records = sorted(cpu_bench.DATA_DIR.glob("*.json"))
+    assert records, "no recorded run in data/cpu_bench (python -m flashlab.cpu_bench --record NAME)"
+    for path in records:
+        record = json.loads(path.read_text())
+        prov = record["provenance"]
+        for key in ("cpu", "logical_cpus", "numba", "numpy", "date_utc", "command"):
+            assert prov.get(key), (path.name, key)
+        assert "python -m flashlab.cpu_bench" in prov["command"]
+        assert {r["implementation"] for r in record["rows"]} == set(cpu_bench.IMPLEMENTATIONS)
+        assert all(r["rel_error_vs_float64"] <= 1e-5 for r in record["rows"])
+        assert record["summary"] == cpu_bench.summary(record["rows"])  # the summary follows from the rows
+        assert "loadavg" in record["machine_activity"]["before"]

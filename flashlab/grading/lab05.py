@@ -132,12 +132,16 @@ def q1(t: Trial, make_kernel):
         m = bk * int(t.rng.integers(0, 3)) + int(t.rng.integers(1, bk))
         d, dv = (int(x) for x in t.rng.integers(1, 7, size=2))
         ragged.append(_case(t, int(t.rng.integers(1, 3)), n, m, d, dv, bq, bk))
-    hint = ""
     ok = t.compare("ragged: n or m not a multiple of the blocks", 2, student=make_kernel, cases=ragged,
                    reference=_ref, run=run, mutants=mutants, names=names)
     if not ok and any(r.get("overrun") for r in info.values()):
-        hint = "(reading past the last ragged tile: see the IndexError above)"
-        t.parts[-1] = (*t.parts[-1][:3], t.parts[-1][3] + "\n" + hint)
+        label, got, points, message = t.parts[-1]  # the message may be computed later (a callable)
+
+        def with_hint(message=message):
+            text = message() if callable(message) else message
+            return text + "\nLikely mistake: reading past the last ragged tile (see the IndexError above)."
+
+        t.parts[-1] = (label, got, points, with_hint)
 
     # Tile shapes on a launch where BLOCK_Q != BLOCK_K and D != DV, so that every confusion shows.
     bq, bk, d, dv = 8, 4, 3, 5
