@@ -483,6 +483,13 @@ def cuda_forward(
     keep n, m and d small (tens). See the module docstring for choosing the simulator.
     """
     Q3, K3, V3, _, dtype, block_q, block_k, _ = _prepare(Q, K, V, block_q, block_k, scale)
+    if block_q > 1024:
+        raise ValueError(f"block_q is the number of threads of a block, at most 1024 on NVIDIA GPUs; got {block_q}")
+    tile_bytes = block_k * (Q3.shape[2] + V3.shape[2]) * dtype.itemsize
+    if tile_bytes > 48 * 1024:
+        most = 48 * 1024 // (tile_bytes // block_k)
+        raise ValueError(f"the K and V tiles need {tile_bytes} bytes of shared memory, more than the 48 KB a kernel "
+                         f"gets without opting in; use a smaller block_k (here at most {most})")
     _cuda_module()
     if not cuda_ready():
         raise RuntimeError(
