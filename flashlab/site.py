@@ -1,6 +1,6 @@
 """``python -m flashlab html``: execute every chapter headlessly and write the course as a static HTML site.
 
-Each chapter in notebooks/ runs in a fresh kernel (cwd = notebooks/, MPLBACKEND=Agg, as in CI), then nbconvert
+Each chapter in notebooks/ runs in a fresh kernel (cwd = notebooks/, as in CI), then nbconvert
 renders it with its outputs; plots are embedded as data URIs. MathJax is copied next to the pages from the
 jupyter-server-mathjax package, so formulas render offline too. The index lists the chapters in study order and
 the labs.
@@ -46,12 +46,16 @@ def title_of(path: pathlib.Path) -> str:
 
 
 def execute(path: pathlib.Path, *, timeout: int = 600):
-    """Run a notebook top to bottom in a fresh kernel, as CI does (cwd = its folder, MPLBACKEND=Agg)."""
+    """Run a notebook top to bottom in a fresh kernel, as CI does (cwd = its folder).
+
+    The kernel must keep its own inline matplotlib backend: an inherited MPLBACKEND=Agg would make every
+    ``plt.show()`` draw nothing, and the pages would have no plots.
+    """
     import nbclient
     import nbformat
 
     nb = nbformat.read(path, as_version=4)
-    os.environ.setdefault("MPLBACKEND", "Agg")
+    os.environ.pop("MPLBACKEND", None)
     resources = {"metadata": {"path": str(path.parent)}}
     nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3", resources=resources).execute()
     return nb
@@ -81,26 +85,36 @@ def render_chapter(nb, out_path: pathlib.Path, *, mathjax_url: str | None = None
     out_path.write_text(body, encoding="utf-8")
 
 
-def write_index(out_dir: pathlib.Path, chapters: list[pathlib.Path], labs: list[pathlib.Path]) -> None:
-    def items(paths, href):
-        return "\n".join(f'<li><a href="{href(p)}">{html.escape(title_of(p))}</a></li>' for p in paths)
+def lab_for(chapter: pathlib.Path, labs: list[pathlib.Path]) -> pathlib.Path | None:
+    """Chapter NN_* goes with lab labNN_*."""
+    number = chapter.name.split("_", 1)[0]
+    return next((lab for lab in labs if lab.name.startswith(f"lab{number}_")), None)
 
+
+def write_index(out_dir: pathlib.Path, chapters: list[pathlib.Path], labs: list[pathlib.Path]) -> None:
+    """The course map: one row per chapter with its lab (rendered, unexecuted, under labs/)."""
+    rows = []
+    for chapter in chapters:
+        lab = lab_for(chapter, labs)
+        lab_cell = f'<a href="labs/{lab.stem}.html">{html.escape(title_of(lab))}</a>' if lab else ""
+        rows.append(
+            f'<tr><td><a href="{chapter.stem}.html">{html.escape(title_of(chapter))}</a></td><td>{lab_cell}</td></tr>'
+        )
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>FlashLab</title>
-<style>body{{font-family:system-ui,sans-serif;max-width:46rem;margin:2rem auto;line-height:1.5}}</style></head>
+<style>
+body{{font-family:system-ui,sans-serif;max-width:52rem;margin:2rem auto;line-height:1.5;padding:0 1rem}}
+table{{border-collapse:collapse;width:100%}} td,th{{border-bottom:1px solid #ddd;padding:.4rem;text-align:left}}
+</style></head>
 <body>
 <h1>FlashLab — FlashAttention from first principles</h1>
-<p>Every chapter below was executed on the machine that built this site; GPU cells on a machine without a GPU
-show results recorded on a GPU, with its name and date.</p>
-<h2>Chapters</h2>
-<ol>
-{items(chapters, lambda p: f"{p.stem}.html")}
-</ol>
-<h2>Labs</h2>
-<p>Open them in Jupyter (<code>make lab</code>); each check cell grades the task above it.</p>
-<ul>
-{items(labs, lambda p: f"../../labs/{p.name}")}
-</ul>
+<p>Every chapter below was executed on the machine that built this site. GPU cells on a machine without a GPU
+show results recorded on a GPU, with its name and date. Labs are shown as handed out (unexecuted): open them in
+Jupyter (<code>make lab</code>), where each check cell grades the task above it.</p>
+<table>
+<tr><th>Chapter</th><th>Lab</th></tr>
+{chr(10).join(rows)}
+</table>
 </body></html>
 """
     (out_dir / "index.html").write_text(page, encoding="utf-8")
@@ -112,13 +126,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="render only chapters whose file name contains this text")
     parser.add_argument("--cache", default="build/executed", help="where executed notebooks are kept for `slides`")
     parser.add_argument("--timeout", type=int, default=600, help="seconds allowed per cell (default 600)")
+    parser.add_argument("--chapters", default=str(ROOT / "notebooks"), help="folder of chapters (default notebooks/)")
+    parser.add_argument("--labs", default=str(ROOT / "labs"), help="folder of released labs (default labs/)")
     args = parser.parse_args(argv)
 
+    import nbformat
+
     out_dir = pathlib.Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    chapters = sorted((ROOT / "notebooks").glob("*.ipynb"))
-    labs = sorted((ROOT / "labs").glob("*.ipynb"))
+    (out_dir / "labs").mkdir(parents=True, exist_ok=True)
+    chapters = sorted(pathlib.Path(args.chapters).glob("*.ipynb"))
+    labs = sorted(pathlib.Path(args.labs).glob("*.ipynb"))
     mathjax_url = install_mathjax(out_dir)
+    lab_mathjax = f"../{mathjax_url}" if mathjax_url else None
+    for lab in labs:
+        render_chapter(nbformat.read(lab, as_version=4), out_dir / "labs" / f"{lab.stem}.html", mathjax_url=lab_mathjax)
     failures = 0
     for path in chapters:
         if args.only not in path.name:

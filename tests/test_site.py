@@ -1,38 +1,94 @@
 """`make html` machinery: a chapter is executed and rendered with its plot embedded; the index links it."""
 
+import os
 import pathlib
+import re
+import shutil
 
 import pytest
 
 from flashlab import site
 
 
-@pytest.mark.slow
-def test_render_executes_and_embeds_plots(tmp_path):
+def _tiny_course(root: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """Two chapters (a plot, a formula) and one lab, as `make html` would find them."""
     nbformat = pytest.importorskip("nbformat")
-    pytest.importorskip("nbconvert")
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [
-        nbformat.v4.new_markdown_cell("# 99 A tiny chapter"),
+    chapters, labs = root / "notebooks", root / "labs"
+    chapters.mkdir()
+    labs.mkdir()
+    plot = nbformat.v4.new_notebook()
+    plot.cells = [
+        nbformat.v4.new_markdown_cell("# 98 A chapter with a plot"),
         nbformat.v4.new_code_cell("import matplotlib.pyplot as plt\nplt.plot([0, 1], [1, 0])\nplt.show()"),
         nbformat.v4.new_code_cell("print(6 / 8)"),
     ]
-    src = tmp_path / "99_tiny.ipynb"
-    nbformat.write(nb, src)
-    out = tmp_path / "html"
-    out.mkdir()
-    mathjax_url = site.install_mathjax(out)
-    assert mathjax_url and (out / "mathjax" / "MathJax.js").is_file()
-    nb = site.executed(src, tmp_path / "executed", timeout=120)
-    assert (tmp_path / "executed" / "99_tiny.ipynb").exists()
-    site.render_chapter(nb, out / "99_tiny.html", mathjax_url=mathjax_url)
-    page = (out / "99_tiny.html").read_text()
-    assert "data:image/png;base64," in page
-    assert f'src="{mathjax_url}"' in page and "cdnjs.cloudflare.com/ajax/libs/mathjax" not in page
-    assert "0.75" in page
-    site.write_index(out, [src], [])
-    index = (out / "index.html").read_text()
-    assert 'href="99_tiny.html"' in index and "99 A tiny chapter" in index
+    nbformat.write(plot, chapters / "98_plot.ipynb")
+    formula = nbformat.v4.new_notebook()
+    formula.cells = [nbformat.v4.new_markdown_cell("# 99 A chapter with a formula\n\n$$e^{m - m'}$$")]
+    nbformat.write(formula, chapters / "99_formula.ipynb")
+    lab = nbformat.v4.new_notebook()
+    lab.cells = [nbformat.v4.new_markdown_cell("# Lab 98 — plotting"), nbformat.v4.new_code_cell("raise ValueError")]
+    nbformat.write(lab, labs / "lab98_plot.ipynb")
+    return chapters, labs
+
+
+@pytest.fixture(scope="module")
+def tiny_site(tmp_path_factory):
+    pytest.importorskip("nbconvert")
+    root = tmp_path_factory.mktemp("course")
+    chapters, labs = _tiny_course(root)
+    out = root / "html"
+    # An inherited MPLBACKEND=Agg once made every plt.show() draw nothing: the kernel must use its inline backend.
+    saved = os.environ.get("MPLBACKEND")
+    os.environ["MPLBACKEND"] = "Agg"
+    try:
+        argv = ["--out", str(out), "--cache", str(root / "executed"), "--chapters", str(chapters), "--labs", str(labs)]
+        assert site.main(argv) == 0
+    finally:
+        os.environ.pop("MPLBACKEND", None)
+        if saved is not None:
+            os.environ["MPLBACKEND"] = saved
+    return out
+
+
+@pytest.mark.slow
+def test_site_executes_chapters_and_embeds_plots(tiny_site):
+    page = (tiny_site / "98_plot.html").read_text()
+    assert re.search(r'<img[^>]+src="data:image/png;base64,', page) and "0.75" in page
+    assert (tiny_site / "mathjax" / "MathJax.js").is_file()
+    formula = (tiny_site / "99_formula.html").read_text()
+    assert f'src="{site.MATHJAX_URL}"' in formula and "cdnjs.cloudflare.com/ajax/libs/mathjax" not in formula
+    index = (tiny_site / "index.html").read_text()
+    assert 'href="98_plot.html"' in index and 'href="labs/lab98_plot.html"' in index
+    assert (tiny_site / "labs" / "lab98_plot.html").is_file()
+
+
+@pytest.mark.slow
+def test_site_in_headless_chromium(tiny_site):
+    """Open the index offline, follow a chapter link, and check that its plot and formula render."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("needs Chromium (Debian: apt-get install chromium); .ci/run installs it in CI")
+    flags = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync"]
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=flags)
+        page = browser.new_page()
+        remote = []
+        page.on("request", lambda r: remote.append(r.url) if r.url.startswith("http") else None)
+        page.goto((tiny_site / "index.html").as_uri())
+        page.click("text=98 A chapter with a plot")
+        page.wait_for_load_state("load")
+        assert page.url.endswith("98_plot.html")
+        sizes = page.evaluate("Array.from(document.images).filter(i => i.src.startsWith('data:image/png'))"
+                              ".map(i => [i.complete, i.naturalWidth, i.naturalHeight])")
+        assert sizes and all(ok and w > 100 and h > 100 for ok, w, h in sizes), sizes
+        page.goto((tiny_site / "99_formula.html").as_uri())
+        page.wait_for_function("window.MathJax && document.querySelectorAll('.MathJax, .MathJax_Display').length > 0",
+                               timeout=20_000)
+        browser.close()
+    assert not [u for u in remote if "mathjax" in u.lower()], f"MathJax was fetched from the network: {remote}"
 
 
 def test_title_of_falls_back_to_file_name(tmp_path):
@@ -65,7 +121,5 @@ def test_slides_keep_only_tagged_cells_and_load_nothing_from_the_network(tmp_pat
     page = (out / "deck.html").read_text()
     assert "Title slide" in page and "0.75" in page and "not on the slides" not in page
     assert page.count("<section") >= 3  # two slides, each wrapped in a vertical stack
-    import re
-
     remote = [u for u in re.findall(r'<(?:script|link)[^>]+(?:src|href)="([^"]+)"', page) if "://" in u]
     assert not remote, f"the deck loads {remote} from the network"
