@@ -347,3 +347,7 @@ def naive_attention(q, k, v, *, causal: bool = False, scale: float | None = None
         lse = (mx + cp.log(total))[..., 0]
     p = (p / cp.where(total > 0, total, 1)).astype(q.dtype)
     return cp.matmul(p, v), lse
+
+
+# Chapter 8 (issue 6): split-KV decoding and the backward pass, in their own modules.
+from .decoding import decode as decode  # noqa: E402  (re-export)

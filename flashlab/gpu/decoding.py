@@ -1,0 +1,197 @@
+"""Split-KV decoding (FlashDecoding): a few query tokens against a long KV cache, on the GPU.
+
+At inference time each step adds one (or a few) query tokens, so n is tiny while the cache holds m keys. The
+forward kernels give each thread block a slab of query rows; with n = 1 that is one block per (batch, head),
+which at batch 1 leaves most of the GPU idle while a few blocks stream the whole cache. FlashDecoding splits the
+keys instead: ``S`` blocks per head each reduce a contiguous key range to a partial ``(o_s, lse_s)``, and a second
+kernel merges them with chapter 1's rule::
+
+    lse = log sum_s exp(lse_s),      o = sum_s exp(lse_s - lse) o_s
+
+``merge_partials`` is that rule in NumPy (the CPU truth of the merge kernel; ``flashlab.online.merge`` is the same
+rule on (m, l, u) states). ``decode_numpy`` runs the whole scheme on the CPU with ``flashlab.reference`` for each
+split, so the split arithmetic is tested without a GPU.
+
+Kernels: ``kernels/decode_r1_split.cu`` (one file, two kernels). Inputs fp16, or bf16 bit patterns in uint16
+with ``bf16=True`` (see ``flashlab.gpu``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from .. import reference
+from .._checks import check_scale
+
+KERNEL_FILE = "decode_r1_split.cu"
+BLOCK_KEYS = 32  # keys per tile in the split kernel (BC in the .cu): split lengths are multiples of it
+BLOCK_ROWS = 32  # query rows (heads of a group x query tokens) per block (ROWS in the .cu)
+MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs (launch share, merge traffic) outweigh its keys
+KERNEL_FILES = (KERNEL_FILE,)
+
+
+# ----------------------------------------------------------------------------------------------- CPU: the math
+def merge_partials(o_parts, lse_parts) -> tuple[np.ndarray, np.ndarray]:
+    """Merge split partials: ``o_parts`` (..., S, dv) normalised per split, ``lse_parts`` (..., S).
+
+    Returns ``(o, lse)`` with shapes (..., dv) and (...). A split that saw no key has lse = -inf and weight 0;
+    a row where every split is empty gets o = 0 and lse = -inf, as ``flashlab.reference.attention`` gives.
+    """
+    o_parts = np.asarray(o_parts, dtype=np.float64)
+    lse_parts = np.asarray(lse_parts, dtype=np.float64)
+    if o_parts.shape[:-1] != lse_parts.shape:
+        raise ValueError(f"o_parts (..., S, dv) and lse_parts (..., S) disagree: {o_parts.shape} vs {lse_parts.shape}")
+    mx = lse_parts.max(axis=-1, keepdims=True)
+    safe = np.where(np.isfinite(mx), mx, 0.0)  # all splits empty: exp(-inf - 0) = 0 weights, not nan
+    w = np.exp(lse_parts - safe)
+    total = w.sum(axis=-1, keepdims=True)
+    o = (w[..., None] * o_parts).sum(axis=-2) / np.where(total > 0, total, 1.0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(total[..., 0] > 0, safe[..., 0] + np.log(np.where(total[..., 0] > 0, total[..., 0], 1)),
+                       -np.inf)
+    return o, lse
+
+
+def split_length(m: int, num_splits: int) -> int:
+    """Keys per split: ceil(m / num_splits) rounded up to whole key tiles (so no tile straddles two splits)."""
+    per = math.ceil(m / num_splits)
+    return math.ceil(per / BLOCK_KEYS) * BLOCK_KEYS
+
+
+def split_ranges(m: int, num_splits: int) -> list[tuple[int, int]]:
+    """The key range [lo, hi) of each split, as the kernel computes it (some may be empty)."""
+    step = split_length(m, num_splits)
+    return [(min(s * step, m), min((s + 1) * step, m)) for s in range(num_splits)]
+
+
+def decode_numpy(q, k, v, *, num_splits: int = 1, lengths=None, causal: bool = False, scale: float | None = None):
+    """The split-KV scheme in float64 on the CPU: ``reference.attention`` per split, then ``merge_partials``.
+
+    Shapes as for :func:`decode` (4-D). Each split's partial o is normalised and its lse is -inf when it sees no
+    key. Used by the tests to check the split and merge arithmetic (and ragged lengths) without a GPU.
+    """
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    B, H, n, _ = q.shape
+    m = k.shape[-2]
+    lengths = [m] * B if lengths is None else [int(x) for x in lengths]
+    sc = check_scale(scale, q.shape[-1])
+    o_parts = np.zeros((B, H, n, num_splits, v.shape[-1]))
+    lse_parts = np.full((B, H, n, num_splits), -np.inf)
+    for b in range(B):
+        for s, (lo, hi) in enumerate(split_ranges(m, num_splits)):
+            hi = min(hi, lengths[b])
+            if hi <= lo:
+                continue
+            S = reference.scores(q[b], np.repeat(k[b, :, lo:hi], H // k.shape[1], axis=0), scale=sc)
+            if causal:  # token i sees keys j <= i + len - n (the new tokens are the cache's last n entries)
+                j = np.arange(lo, hi)[None, :]
+                S = np.where(j <= np.arange(n)[:, None] + lengths[b] - n, S, -np.inf)
+            mx = S.max(axis=-1, keepdims=True)
+            safe = np.where(np.isfinite(mx), mx, 0.0)
+            P = np.exp(S - safe)
+            tot = P.sum(axis=-1, keepdims=True)
+            vv = np.repeat(v[b, :, lo:hi], H // v.shape[1], axis=0)
+            o_parts[b, :, :, s] = (P @ vv) / np.where(tot > 0, tot, 1.0)
+            total = tot[..., 0]
+            lse_parts[b, :, :, s] = np.where(total > 0, safe[..., 0] + np.log(np.maximum(total, 1e-300)), -np.inf)
+    return merge_partials(o_parts, lse_parts)
+
+
+def default_num_splits(batch: int, kv_heads: int, row_chunks: int, m: int, sm_count: int) -> int:
+    """Enough splits that the grid covers every SM about four times, but no split shorter than MIN_KEYS_PER_SPLIT.
+
+    A first heuristic (FlashDecoding's idea, not its exact rule); the next GPU session tunes it.
+    """
+    blocks = batch * kv_heads * row_chunks
+    want = math.ceil(4 * sm_count / blocks)
+    return int(max(1, min(want, math.ceil(m / MIN_KEYS_PER_SPLIT), 1024)))
+
+
+# ------------------------------------------------------------------------------------------------ GPU: launch
+def _kernels(dt: str, d: int):
+    from . import KERNEL_DIR, _module
+
+    path = KERNEL_DIR / KERNEL_FILE
+    mod = _module(KERNEL_FILE, path.read_text(), ())
+    return mod.get_function(f"decode_split_{dt}_d{d}"), mod.get_function(f"decode_merge_{dt}_d{d}")
+
+
+def _lengths_array(lengths, B: int, m: int):
+    from . import _cupy
+
+    cp = _cupy()
+    if lengths is None:
+        return cp.full(B, m, dtype=cp.int32)
+    host = lengths.get() if isinstance(lengths, cp.ndarray) else np.asarray(lengths)
+    if host.shape != (B,) or not np.issubdtype(host.dtype, np.integer):
+        raise ValueError(f"lengths must be {B} integers (one cache length per batch element); got {host!r}")
+    if (host < 0).any() or (host > m).any():
+        raise ValueError(f"lengths must lie in [0, m] = [0, {m}]; got {host.tolist()}")
+    return cp.asarray(host.astype(np.int32))
+
+
+def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Sequence[int] | None = None,
+           causal: bool = False, scale: float | None = None, bf16: bool = False, return_partials: bool = False):
+    """Attention of a few query tokens against a KV cache, split over the keys (FlashDecoding). Returns (o, lse).
+
+    q is (batch, heads, n, d) or (n, d); k_cache and v_cache are (batch, heads_kv, m, d) or (m, d), heads_kv
+    dividing heads (GQA/MQA: the query heads of a group share every K/V tile the kernel reads). CuPy arrays,
+    C-contiguous, float16, or bfloat16 bits in uint16 with ``bf16=True``; d is 64 or 128. ``lengths`` (one int per
+    batch element, 0 <= length <= m) says how much of each cache is filled; default all m. ``causal``: the n query
+    tokens are the last n entries of the cache, so token i sees keys j <= i + length - n. ``num_splits`` None
+    picks enough splits to fill the GPU (``default_num_splits``); 1 is the unsplit kernel (one block per (batch,
+    K/V head, 32 query rows)), followed by the same merge kernel, which then copies.
+
+    o has q's shape and dtype; lse (q's shape without d, float32, natural log) is -inf for a row that sees no
+    key (its o is 0). ``return_partials=True`` also returns the fp32 partials (o_parts (B, H, n, S, d),
+    lse_parts (B, H, n, S)) for teaching and tests.
+    """
+    from . import _check_inputs, _cupy, compute_capability
+
+    cp = _cupy()
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be True or False; got {causal!r}")
+    dt = _check_inputs(q, k_cache, v_cache, bf16)
+    if dt == "f32":
+        raise TypeError("decode takes float16 or (with bf16=True) bfloat16 bits in uint16; got float32")
+    d = q.shape[-1]
+    scale = check_scale(scale, d)
+    if compute_capability() < 80:
+        raise ValueError(f"decode needs sm_80 or newer; this GPU is sm_{compute_capability()}")
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.data.ptr % 16:
+            raise ValueError(f"{name} must start on a 16-byte boundary (the kernel loads 16 bytes at a time)")
+    q4 = q if q.ndim == 4 else q.reshape(1, 1, *q.shape)
+    k4 = k_cache if k_cache.ndim == 4 else k_cache.reshape(1, 1, *k_cache.shape)
+    v4 = v_cache if v_cache.ndim == 4 else v_cache.reshape(1, 1, *v_cache.shape)
+    B, H, n, _ = q4.shape
+    Hk, m = k4.shape[1], k4.shape[2]
+    G = H // Hk
+    chunks = math.ceil(G * n / BLOCK_ROWS)
+    if Hk * chunks > 65535:
+        raise ValueError(f"heads_kv x ceil(group x n / {BLOCK_ROWS}) must be at most 65535; got {Hk * chunks}")
+    if num_splits is None:
+        sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+        num_splits = default_num_splits(B, Hk, chunks, m, sms)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
+        raise TypeError(f"num_splits must be an int or None; got {num_splits!r}")
+    if not 1 <= num_splits <= 65535:
+        raise ValueError(f"num_splits must be between 1 and 65535; got {num_splits}")
+    num_splits = int(num_splits)
+    lens = _lengths_array(lengths, B, m)
+
+    split, merge = _kernels(dt, d)
+    o_parts = cp.empty((B, H, n, num_splits, d), dtype=cp.float32)
+    lse_parts = cp.empty((B, H, n, num_splits), dtype=cp.float32)
+    split((num_splits, Hk * chunks, B), (128,),
+          (q4, k4, v4, lens, o_parts, lse_parts, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk),
+           np.int32(split_length(m, num_splits)), np.float32(scale), np.int32(bool(causal))))
+    o = cp.empty_like(q)
+    lse = cp.empty(q.shape[:-1], dtype=cp.float32)
+    merge((B * H * n,), (d,), (o_parts, lse_parts, o, lse, np.int32(num_splits)))
+    if return_partials:
+        return o, lse, o_parts, lse_parts
+    return o, lse

@@ -1,0 +1,273 @@
+"""Split-KV decoding (flashlab.gpu.decode) against the float64 reference, and its merge rule on the CPU.
+
+CPU tests check the math without a GPU: ``merge_partials`` against ``flashlab.online.merge`` and the reference,
+and the whole split scheme (``decode_numpy``) with ragged cache lengths, GQA and causal masks. GPU tests use the
+rule of CONVENTIONS section 4 (error against float64 at most twice that of naive attention in the same
+precision), for both the merged output and each split's partial.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flashlab import online, reference
+from flashlab.gpu import decoding
+
+PRIMES = (2, 3, 5, 7, 13, 31, 61, 67, 127, 131, 257)
+
+
+# ----------------------------------------------------------------------------------------------- CPU: the math
+def _partial(scores, values):
+    """(o, lse) of one split from online.update: o normalised, lse = m + log l (an empty split: 0, -inf)."""
+    if scores.shape[-1] == 0:
+        st = online.init(scores.shape[:-1], values.shape[-1])
+        return st.result(), st.logsumexp(), st
+    st = online.update(online.init(scores.shape[:-1], values.shape[-1]), scores, values)
+    return st.result(), st.logsumexp(), st
+
+
+def test_merge_partials_equals_online_merge_and_the_reference(rng):
+    for _ in range(20):
+        rows, k, dv = int(rng.integers(1, 5)), int(rng.integers(1, 300)), int(rng.integers(1, 9))
+        scores = rng.standard_normal((rows, k)) * rng.choice([1.0, 30.0, 1000.0])
+        values = rng.standard_normal((k, dv))
+        cuts = sorted(set(int(x) for x in rng.integers(0, k + 1, size=int(rng.integers(0, 6)))))
+        edges = [0, *cuts, k]
+        parts = [_partial(scores[:, lo:hi], values[lo:hi]) for lo, hi in zip(edges[:-1], edges[1:], strict=True)]
+        o, lse = decoding.merge_partials(np.stack([p[0] for p in parts], axis=-2), np.stack([p[1] for p in parts], -1))
+        state = parts[0][2]
+        for p in parts[1:]:
+            state = online.merge(state, p[2])
+        np.testing.assert_allclose(o, state.result(), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(lse, state.logsumexp(), rtol=1e-12, atol=1e-12)
+        mx = scores.max(axis=-1, keepdims=True)
+        p = np.exp(scores - mx)
+        np.testing.assert_allclose(o, (p @ values) / p.sum(-1, keepdims=True), rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(lse, mx[:, 0] + np.log(p.sum(-1)), rtol=1e-12, atol=1e-9)
+
+
+def test_merge_partials_empty_splits_and_huge_lse():
+    o_parts = np.array([[[1.0, 2.0], [0.0, 0.0], [3.0, -1.0]]])
+    lse_parts = np.array([[1000.0, -np.inf, 999.0]])
+    o, lse = decoding.merge_partials(o_parts, lse_parts)
+    w = np.array([1.0, np.exp(-1.0)])
+    np.testing.assert_allclose(o[0], (w[0] * o_parts[0, 0] + w[1] * o_parts[0, 2]) / w.sum(), rtol=1e-14)
+    np.testing.assert_allclose(lse[0], 1000.0 + np.log(w.sum()), rtol=1e-15)
+    o, lse = decoding.merge_partials(np.zeros((2, 3, 4)), np.full((2, 3), -np.inf))
+    assert (o == 0).all() and np.isneginf(lse).all()
+    with pytest.raises(ValueError, match="disagree"):
+        decoding.merge_partials(np.zeros((2, 3, 4)), np.zeros((2, 4)))
+
+
+def test_split_ranges_cover_the_keys_in_whole_tiles(rng):
+    for _ in range(200):
+        m, s = int(rng.integers(1, 100_000)), int(rng.integers(1, 300))
+        ranges = decoding.split_ranges(m, s)
+        assert len(ranges) == s and ranges[0][0] == 0 and ranges[-1][1] == m
+        for (lo, hi), (lo2, _) in zip(ranges[:-1], ranges[1:], strict=True):
+            assert hi == lo2 and lo <= hi
+        step = decoding.split_length(m, s)
+        assert step % decoding.BLOCK_KEYS == 0 and step * s >= m
+        assert step < decoding.BLOCK_KEYS + -(-m // s)  # never more than one tile past an even share
+
+
+def test_default_num_splits_fills_the_gpu_without_tiny_splits():
+    assert decoding.default_num_splits(1, 32, 1, 65536, 132) == 17  # ceil(4 * 132 / 32) blocks per head
+    assert decoding.default_num_splits(64, 32, 1, 65536, 132) == 1  # batch already fills the GPU
+    assert decoding.default_num_splits(1, 1, 1, 300, 132) == 2  # ceil(300 / 256): no split under 256 keys
+    assert decoding.default_num_splits(1, 1, 1, 1, 132) == 1
+
+
+def _ref_decode(q, k, v, lengths, causal, scale=None):
+    """float64 truth per batch element (each with its own cache length); a length-0 cache gives 0 and -inf."""
+    B, H, n, d = q.shape
+    O = np.zeros((B, H, n, v.shape[-1]))
+    L = np.full((B, H, n), -np.inf)
+    for b in range(B):
+        if lengths[b] > 0:
+            O[b], L[b] = reference.attention(q[b], k[b, :, : lengths[b]], v[b, :, : lengths[b]], causal=causal,
+                                             scale=scale)
+    return O, L
+
+
+def test_decode_numpy_matches_the_reference_with_ragged_lengths_gqa_and_causal(rng):
+    for trial in range(12):
+        B, Hk, G = int(rng.integers(1, 4)), int(rng.integers(1, 3)), int(rng.integers(1, 4))
+        n, d, m = int(rng.choice([1, 2, 5])), int(rng.integers(1, 9)), int(rng.choice([1, *PRIMES, 700]))
+        q = rng.standard_normal((B, Hk * G, n, d))
+        k, v = rng.standard_normal((B, Hk, m, d)), rng.standard_normal((B, Hk, m, d))
+        lengths = rng.integers(0 if trial % 3 == 0 else 1, m + 1, size=B)
+        causal = bool(trial % 2)
+        for s in (1, 2, 3, 7, 40):
+            o, lse = decoding.decode_numpy(q, k, v, num_splits=s, lengths=lengths, causal=causal)
+            O, L = _ref_decode(q, k, v, lengths, causal)
+            np.testing.assert_allclose(o, O, rtol=1e-10, atol=1e-12, err_msg=f"splits={s}")
+            np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(L))
+            fin = np.isfinite(L)
+            np.testing.assert_allclose(lse[fin], L[fin], rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------ GPU checks
+def _gpu_helpers():
+    # The forward's test module holds the same-precision naive attention and the dtype round trips.
+    import test_gpu_attention as tga
+
+    return tga
+
+
+def _check_decode(rng, dt, B, H, Hk, n, m, d, causal, num_splits, lengths, magnitude=1.0, scale=None):
+    import cupy as cp
+
+    import flashlab.gpu as fgpu
+
+    tga = _gpu_helpers()
+    q = tga._round(magnitude * rng.standard_normal((B, H, n, d)), dt)
+    k = tga._round(rng.standard_normal((B, Hk, m, d)), dt)
+    v = tga._round(rng.standard_normal((B, Hk, m, d)), dt)
+    sc = fgpu.check_scale(scale, d)
+    O_ref, L_ref = _ref_decode(q, k, v, lengths, causal, sc)
+    O_nv = np.zeros_like(O_ref)
+    L_nv = np.full_like(L_ref, -np.inf)
+    for b in range(B):
+        if lengths[b] > 0:
+            o_b, l_b = tga._naive_same_precision(q[b:b + 1], k[b:b + 1, :, : lengths[b]],
+                                                 v[b:b + 1, :, : lengths[b]], causal, sc, dt)
+            O_nv[b], L_nv[b] = o_b[0], l_b[0]
+    qg, kg, vg = (tga._to_gpu(x, dt) for x in (q, k, v))
+    o, lse, o_parts, lse_parts = fgpu.decode(qg, kg, vg, num_splits=num_splits, lengths=lengths, causal=causal,
+                                             scale=scale, bf16=dt == "bf16", return_partials=True)
+    cp.cuda.Device().synchronize()
+    O, L = tga._from_gpu(o, dt), lse.get().astype(np.float64)
+    what = f"{dt} B={B} H={H} Hk={Hk} n={n} m={m} d={d} causal={causal} splits={num_splits} lengths={lengths}"
+    assert np.isfinite(O).all(), f"nan/inf outputs: {what}"
+    assert not np.isnan(L).any(), f"nan lse: {what}"
+    np.testing.assert_array_equal(np.isneginf(L), np.isneginf(L_ref), err_msg=f"-inf rows differ: {what}")
+    assert tga._err(O, O_ref) <= 2 * tga._err(O_nv, O_ref) + 1e-6, (what, tga._err(O, O_ref), tga._err(O_nv, O_ref))
+    fin = np.isfinite(L_ref)
+    scale_l = max(1.0, float(np.abs(L_ref[fin]).max(initial=0)))
+    assert tga._err(L[fin], L_ref[fin]) <= 2 * tga._err(L_nv[fin], L_ref[fin]) + 1e-5 * scale_l, what
+    # Kernel 1 alone: every split's partial against the float64 partial on its key range.
+    S = o_parts.shape[3]
+    ranges = decoding.split_ranges(m, S)
+    op, lp = o_parts.get().astype(np.float64), lse_parts.get().astype(np.float64)
+    for s, (lo, hi) in enumerate(ranges):
+        lens_s = [max(0, min(hi, int(x)) - lo) for x in lengths]
+        # keys lo..hi of cache b, with the causal limit measured from the full length
+        for b in range(B):
+            if lens_s[b] == 0:
+                assert np.isneginf(lp[b, :, :, s]).all() and (op[b, :, :, s] == 0).all(), (what, "empty split", s)
+                continue
+            sco = reference.scores(q[b], np.repeat(k[b, :, lo:lo + lens_s[b]], H // Hk, axis=0), scale=sc)
+            if causal:
+                j = np.arange(lo, lo + lens_s[b])[None, :]
+                sco = np.where(j <= np.arange(n)[:, None] + int(lengths[b]) - n, sco, -np.inf)
+            mx = sco.max(-1, keepdims=True)
+            safe = np.where(np.isfinite(mx), mx, 0)
+            p = np.exp(sco - safe)
+            tot = p.sum(-1, keepdims=True)
+            o_true = (p @ np.repeat(v[b, :, lo:lo + lens_s[b]], H // Hk, axis=0)) / np.where(tot > 0, tot, 1)
+            tol = 1e-3 if magnitude == 1.0 else 2e-2  # fp32 scores of size 1000 carry ~1e-4 absolute error
+            assert np.abs(op[b, :, :, s] - o_true).max() <= tol * max(1.0, np.abs(o_true).max()), (what, s)
+            with np.errstate(divide="ignore"):
+                l_true = np.where(tot[..., 0] > 0, safe[..., 0] + np.log(np.maximum(tot[..., 0], 1e-300)), -np.inf)
+            np.testing.assert_array_equal(np.isneginf(lp[b, :, :, s]), np.isneginf(l_true))
+            f = np.isfinite(l_true)
+            assert np.abs(lp[b, :, :, s][f] - l_true[f]).max(initial=0) <= 1e-4 * max(1.0, np.abs(l_true).max()), what
+    # The merge kernel against the CPU merge of the same partials.
+    o_cpu, l_cpu = decoding.merge_partials(op, lp)
+    ulp = 2.0**-7 if dt == "bf16" else 2.0**-10  # one rounding of the fp32 result to the output type, with margin
+    assert np.abs(O - o_cpu).max() <= ulp * max(1.0, np.abs(o_cpu).max()), what
+    return O, L
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+def test_decode_matches_reference_on_random_shapes(rng, dt):
+    for trial in range(10):
+        d = int(rng.choice([64, 128]))
+        B, Hk, G = int(rng.integers(1, 3)), int(rng.integers(1, 3)), int(rng.choice([1, 2, 4, 8]))
+        n = int(rng.choice([1, 2, 3, 8]))
+        m = int(rng.choice([1, *PRIMES, int(rng.integers(1, 33)), int(rng.integers(1000, 5000))]))
+        lengths = [int(x) for x in rng.integers(1, m + 1, size=B)]
+        splits = rng.choice([None, 1, 2, 3, 7, 64])
+        _check_decode(rng, dt, B, Hk * G, Hk, n, m, d, bool(trial % 2), None if splits is None else int(splits),
+                      lengths)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+def test_many_rows_per_group_span_several_row_chunks(rng, dt):
+    # group 8 x 9 tokens = 72 rows: three blocks of 32 rows per K/V head, the last one partial
+    _check_decode(rng, dt, 1, 16, 2, 9, 517, 128, True, 5, [517])
+    _check_decode(rng, dt, 2, 8, 1, 5, 300, 64, False, 3, [300, 123])
+
+
+@pytest.mark.gpu
+def test_num_splits_one_is_the_unsplit_kernel_and_splits_agree_with_it(rng):
+    import cupy as cp
+
+    import flashlab.gpu as fgpu
+
+    q = cp.asarray(rng.standard_normal((1, 8, 1, 128)).astype(np.float16))
+    k, v = (cp.asarray(rng.standard_normal((1, 2, 4099, 128)).astype(np.float16)) for _ in range(2))
+    o1, l1, op1, lp1 = fgpu.decode(q, k, v, num_splits=1, return_partials=True)
+    assert op1.shape[3] == 1
+    # One split: the merge kernel copies (weight e^0 = 1), so o is the partial rounded once to fp16.
+    np.testing.assert_array_equal(o1.get(), op1[:, :, :, 0].astype(cp.float16).get())
+    np.testing.assert_array_equal(l1.get(), lp1[..., 0].get())
+    for s in (2, 5, 16, 129):
+        o, lse = fgpu.decode(q, k, v, num_splits=s)
+        diff = float(cp.abs(o.astype(cp.float32) - o1.astype(cp.float32)).max())
+        assert diff <= 2e-3, (s, diff)  # one fp16 rounding step of values below 1
+        assert float(cp.abs(lse - l1).max()) <= 1e-5, s
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+def test_empty_caches_fully_masked_rows_and_huge_logits(rng, dt):
+    # length 0 and causal with n > length: those rows see no key -> o = 0, lse = -inf
+    O, L = _check_decode(rng, dt, 3, 4, 2, 4, 40, 64, True, 3, [0, 2, 40])
+    assert (O[0] == 0).all() and np.isneginf(L[0]).all()
+    assert (O[1, :, :2] == 0).all() and np.isneginf(L[1, :, :2]).all() and np.isfinite(L[1, :, 2:]).all()
+    _check_decode(rng, dt, 1, 2, 1, 2, 333, 128, False, 4, [333], magnitude=1000.0 / np.sqrt(128), scale=1.0)
+
+
+@pytest.mark.gpu
+def test_two_dimensional_inputs(rng):
+    _check_decode(rng, "f16", 1, 1, 1, 3, 200, 64, True, 2, [200])  # 4-D path
+    import cupy as cp
+
+    import flashlab.gpu as fgpu
+
+    q = cp.asarray(rng.standard_normal((3, 64)).astype(np.float16))
+    k, v = (cp.asarray(rng.standard_normal((200, 64)).astype(np.float16)) for _ in range(2))
+    o2, l2 = fgpu.decode(q, k, v, num_splits=2)
+    o4, l4 = fgpu.decode(q[None, None], k[None, None], v[None, None], num_splits=2)
+    assert o2.shape == (3, 64) and l2.shape == (3,)
+    np.testing.assert_array_equal(o2.get(), o4[0, 0].get())
+
+
+@pytest.mark.gpu
+def test_decode_bad_inputs_get_clear_errors():
+    import cupy as cp
+
+    import flashlab.gpu as fgpu
+
+    x = cp.zeros((1, 2, 8, 64), dtype=cp.float16)
+    with pytest.raises(TypeError, match="float32"):
+        fgpu.decode(*(x.astype(cp.float32),) * 3)
+    with pytest.raises(TypeError, match="CuPy"):
+        fgpu.decode(x.get(), x, x)
+    with pytest.raises(ValueError, match="lengths"):
+        fgpu.decode(x, x, x, lengths=[9])
+    with pytest.raises(ValueError, match="lengths"):
+        fgpu.decode(x, x, x, lengths=[1, 2])
+    with pytest.raises(ValueError, match="num_splits"):
+        fgpu.decode(x, x, x, num_splits=0)
+    with pytest.raises(TypeError, match="num_splits"):
+        fgpu.decode(x, x, x, num_splits=2.5)
+    with pytest.raises(ValueError, match="head dimension"):
+        fgpu.decode(*(cp.zeros((1, 2, 8, 96), cp.float16),) * 3)
+    with pytest.raises(ValueError, match="divide"):
+        fgpu.decode(x, x[:, :1].repeat(3, axis=1), x[:, :1].repeat(3, axis=1))
