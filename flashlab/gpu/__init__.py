@@ -350,4 +350,5 @@ def naive_attention(q, k, v, *, causal: bool = False, scale: float | None = None
 
 
 # Chapter 8 (issue 6): split-KV decoding and the backward pass, in their own modules.
+from .backward import attention_backward as attention_backward  # noqa: E402  (re-export)
 from .decoding import decode as decode  # noqa: E402  (re-export)

@@ -1,0 +1,124 @@
+"""FlashAttention backward on the GPU: gradients from Q, K, V, O, dO and the saved logsumexp only.
+
+The forward (``flashlab.gpu.attention``) keeps one float per query row, ``lse``; the backward rebuilds every
+probability tile from it, ``P = exp(scale * Q K^T - lse)``, so the n x m matrix P is never stored (chapter 4's
+recomputation, here in CUDA). FlashAttention-2's order: a small kernel for ``D = rowsum(dO * O)``, then a main
+kernel parallel over K/V blocks that keeps dK and dV of its keys in registers while the query tiles stream past,
+and adds its share of dQ into an fp32 buffer with atomics; a last kernel scales and rounds dQ. See
+``kernels/bwd_r1_smem.cu`` for the scheme and why dQ uses atomics rather than a second pass.
+
+This first version uses scalar fp32 FMAs on shared-memory tiles (correctness first); the tensor-core rungs of the
+forward ladder are the next step. ``numpy_backward`` is the same schedule in NumPy, for tests and chapter 8.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .._checks import causal_offset, check_scale
+
+KERNEL_FILE = "bwd_r1_smem.cu"
+KERNEL_FILES = (KERNEL_FILE,)
+BLOCK_KEYS = 32  # keys per thread block (BC in the .cu)
+BLOCK_ROWS = 32  # query rows per tile (BR in the .cu)
+THREADS = 256
+
+
+def numpy_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: float | None = None):
+    """The kernel's schedule in float64 NumPy: K/V blocks outer, query heads of the group and query tiles inner.
+
+    4-D inputs (B, H, n, d) / (B, Hk, m, d). Returns (dq, dk, dv). Used to check the schedule (causal tile
+    skipping, GQA summation, rows that see no key) on the CPU against ``flashlab.reference.attention_backward``.
+    """
+    q, k, v, o, do = (np.asarray(x, dtype=np.float64) for x in (q, k, v, o, do))
+    lse = np.asarray(lse, dtype=np.float64)
+    B, H, n, d = q.shape
+    Hk, m = k.shape[1], k.shape[2]
+    G = H // Hk
+    sc = check_scale(scale, d)
+    off = causal_offset(n, m)
+    Dv = np.sum(do * o, axis=-1)
+    L = np.where(np.isneginf(lse), np.inf, lse)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for k0 in range(0, m, BLOCK_KEYS):
+        k1 = min(k0 + BLOCK_KEYS, m)
+        qstart = (max(0, k0 - off) // BLOCK_ROWS) * BLOCK_ROWS if causal else 0
+        for g in range(G):
+            h = np.arange(Hk) * G + g  # query head g of every group
+            for q0 in range(qstart, n, BLOCK_ROWS):
+                q1 = min(q0 + BLOCK_ROWS, n)
+                Qi, dOi = q[:, h, q0:q1], do[:, h, q0:q1]
+                S = Qi @ np.swapaxes(k[:, :, k0:k1], -1, -2)
+                if causal:
+                    ok = np.arange(k0, k1)[None, :] <= np.arange(q0, q1)[:, None] + off
+                    S = np.where(ok, S, -np.inf)
+                P = np.exp(sc * S - L[:, h, q0:q1, None])
+                dP = dOi @ np.swapaxes(v[:, :, k0:k1], -1, -2)
+                dS = P * (dP - Dv[:, h, q0:q1, None])
+                dv[:, :, k0:k1] += np.swapaxes(P, -1, -2) @ dOi
+                dk[:, :, k0:k1] += sc * (np.swapaxes(dS, -1, -2) @ Qi)
+                dq[:, h, q0:q1] += sc * (dS @ k[:, :, k0:k1])
+    return dq, dk, dv
+
+
+def _kernels(dt: str, d: int):
+    from . import KERNEL_DIR, _module
+
+    mod = _module(KERNEL_FILE, (KERNEL_DIR / KERNEL_FILE).read_text(), ())
+    return (mod.get_function(f"bwd_dot_{dt}_d{d}"), mod.get_function(f"bwd_main_{dt}_d{d}"),
+            mod.get_function(f"bwd_dq_{dt}"))
+
+
+def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: float | None = None,
+                       bf16: bool = False):
+    """Gradients ``(dq, dk, dv)`` of attention on the GPU, recomputing P from the saved logsumexp.
+
+    q, k, v as for ``flashlab.gpu.attention`` (float16, or bfloat16 bits in uint16 with ``bf16=True``; d 64 or
+    128; (n, d) or (batch, heads, n, d) with heads_kv dividing heads); o and lse are what that forward returned
+    (lse float32, -inf for a row that saw no key); do is the gradient of the loss with respect to o (o's shape and
+    dtype). ``causal`` and ``scale`` must be the forward's. Returns arrays of q's, k's and v's shapes and dtype;
+    with grouped-query attention dk and dv are summed over the query heads that share a K/V head.
+    Accumulation is fp32; dq is summed with fp32 atomics, so its last bits vary from run to run.
+    """
+    from . import _check_inputs, _cupy, compute_capability
+
+    cp = _cupy()
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be True or False; got {causal!r}")
+    dt = _check_inputs(q, k, v, bf16)
+    if dt == "f32":
+        raise TypeError("attention_backward takes float16 or (with bf16=True) bfloat16 bits in uint16; got float32")
+    for name, x in (("o", o), ("do", do)):
+        if not isinstance(x, cp.ndarray):
+            raise TypeError(f"{name} must be a CuPy array on the GPU; got {type(x).__module__}.{type(x).__name__}")
+        if x.shape != q.shape or x.dtype != q.dtype:
+            raise ValueError(f"{name} must have q's shape {q.shape} and dtype {q.dtype}; got {x.shape} {x.dtype}")
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous (use cupy.ascontiguousarray)")
+    if not (isinstance(lse, cp.ndarray) and lse.dtype == cp.float32 and lse.shape == q.shape[:-1]
+            and lse.flags.c_contiguous):
+        raise ValueError(f"lse must be the forward's C-contiguous float32 array of shape {q.shape[:-1]}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do)):
+        if x.data.ptr % 16:
+            raise ValueError(f"{name} must start on a 16-byte boundary (the kernel loads 16 bytes at a time)")
+    d = q.shape[-1]
+    scale = check_scale(scale, d)
+    if compute_capability() < 80:
+        raise ValueError(f"attention_backward needs sm_80 or newer; this GPU is sm_{compute_capability()}")
+
+    B, H, n = (1, 1, q.shape[0]) if q.ndim == 2 else q.shape[:3]
+    Hk, m = (1, k.shape[0]) if k.ndim == 2 else k.shape[1:3]
+    dot, main, dq_convert = _kernels(dt, d)
+    rows = B * H * n
+    dvec = cp.empty(q.shape[:-1], dtype=cp.float32)
+    dq_acc = cp.zeros(q.shape, dtype=cp.float32)
+    dq, dk, dv = cp.empty_like(q), cp.empty_like(k), cp.empty_like(v)
+    dot((math.ceil(rows / (THREADS // 32)),), (THREADS,), (o, do, dvec, np.int32(rows)))
+    main((math.ceil(m / BLOCK_KEYS), Hk, B), (THREADS,),
+         (q, k, v, do, lse, dvec, dq_acc, dk, dv, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk),
+          np.float32(scale), np.int32(bool(causal))))
+    total = dq_acc.size
+    dq_convert((math.ceil(total / THREADS),), (THREADS,), (dq_acc, dq, np.float32(scale), np.int64(total)))
+    return dq, dk, dv

@@ -1,0 +1,201 @@
+"""flashlab.gpu.attention_backward against float64 gradients (CONVENTIONS section 4), and its schedule on the CPU.
+
+Rule: each gradient's max error against ``flashlab.reference.attention_backward`` (float64, on the same rounded
+inputs) is at most twice that of the standard backward computed in the same precision, emulated in NumPy where
+an eager framework rounds: S, P, O, dP, dS and the three gradients are stored in fp16/bf16, products accumulate in
+fp32. The GPU path runs the package's forward (``flashlab.gpu.attention``) to get o and lse, as training does.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from flashlab import reference
+from flashlab.gpu import backward as gbwd
+
+PRIMES = (2, 3, 5, 7, 13, 31, 61, 67, 127, 131, 257)
+
+
+# ---------------------------------------------------------------------------------------------- CPU-side checks
+def test_numpy_schedule_matches_the_reference_gradients(rng):
+    """The kernel's loop order (K/V blocks outer, causal tiles skipped, GQA heads summed) in float64."""
+    for trial in range(10):
+        B, Hk, G = int(rng.integers(1, 3)), int(rng.integers(1, 3)), int(rng.integers(1, 4))
+        n, m = (int(rng.choice([1, *PRIMES[:8], int(rng.integers(1, 100))])) for _ in range(2))
+        d = int(rng.integers(1, 9))
+        causal = bool(trial % 2)
+        q = rng.standard_normal((B, Hk * G, n, d))
+        k, v = rng.standard_normal((B, Hk, m, d)), rng.standard_normal((B, Hk, m, d))
+        do = rng.standard_normal(q.shape)
+        o, lse = reference.attention(q, k, v, causal=causal)
+        got = gbwd.numpy_backward(q, k, v, o, lse, do, causal=causal)
+        want = reference.attention_backward(q, k, v, do, causal=causal)
+        for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-10, err_msg=f"{name} n={n} m={m} causal={causal}")
+
+
+def test_causal_skipping_visits_only_tiles_with_a_visible_key():
+    # The first query tile a key block visits must contain the first row that sees the block's first key.
+    for n, m in ((100, 100), (37, 300), (300, 37), (1, 64), (64, 1)):
+        off = m - n
+        for k0 in range(0, m, gbwd.BLOCK_KEYS):
+            qstart = (max(0, k0 - off) // gbwd.BLOCK_ROWS) * gbwd.BLOCK_ROWS
+            first_row = max(0, k0 - off)
+            assert qstart <= first_row < qstart + gbwd.BLOCK_ROWS and first_row < n, (n, m, k0)
+
+
+def test_kernel_file_has_every_entry_point():
+    from flashlab.gpu import KERNEL_DIR
+
+    text = (KERNEL_DIR / gbwd.KERNEL_FILE).read_text()
+    for dt in ("f16", "bf16"):
+        assert f"bwd_dq_{dt}(" in text
+        for d in (64, 128):
+            assert f"DEFINE_KERNELS({dt}, {dt.upper()}, {d})" in text
+
+
+def test_backward_imports_without_cupy_and_says_so_when_called(monkeypatch):
+    import flashlab.gpu as fgpu
+
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    x = np.zeros((4, 64))
+    with pytest.raises(ImportError, match="CuPy"):
+        fgpu.attention_backward(x, x, x, x, np.zeros(4), x)
+
+
+# ----------------------------------------------------------------------------------------------------- helpers
+def _tga():
+    import test_gpu_attention as tga  # the forward's test helpers: rounding, transfers, error
+
+    return tga
+
+
+def _naive_backward_same_precision(q, k, v, do, causal, scale, dt):
+    """Standard attention backward as an eager framework runs it in dtype dt (fp32 accumulation)."""
+    R = _tga()._round
+    Hk, H = (k.shape[-3], q.shape[-3]) if q.ndim >= 3 else (1, 1)
+    if H != Hk:
+        k, v = np.repeat(k, H // Hk, axis=-3), np.repeat(v, H // Hk, axis=-3)
+    q, k, v, do = (np.asarray(x, np.float32) for x in (q, k, v, do))
+    s = R(q @ np.swapaxes(k, -1, -2), dt) * np.float32(scale)
+    if causal:
+        s = np.where(reference.causal_mask(q.shape[-2], k.shape[-2]), s, -np.inf)
+    mx = s.max(axis=-1, keepdims=True)
+    mx = np.where(np.isfinite(mx), mx, 0)
+    p = np.exp(s - mx)
+    tot = p.sum(axis=-1, keepdims=True)
+    P = R(p / np.where(tot > 0, tot, 1), dt)
+    O = R(P @ v, dt)
+    dV = np.swapaxes(P, -1, -2) @ do
+    dP = R(do @ np.swapaxes(v, -1, -2), dt)
+    Dr = np.sum(do * O, axis=-1, keepdims=True)
+    dS = R(P * (dP - Dr), dt)
+    dQ = scale * (dS @ k)
+    dK = scale * (np.swapaxes(dS, -1, -2) @ q)
+    if H != Hk:
+        dK = dK.reshape(dK.shape[:-3] + (Hk, H // Hk) + dK.shape[-2:]).sum(axis=-3)
+        dV = dV.reshape(dV.shape[:-3] + (Hk, H // Hk) + dV.shape[-2:]).sum(axis=-3)
+    return R(dQ, dt), R(dK, dt), R(dV, dt)
+
+
+def _check_backward(rng, dt, B, H, Hk, n, m, d, causal, *, scale=None, magnitude=1.0):
+    import cupy as cp
+
+    import flashlab.gpu as fgpu
+
+    tga = _tga()
+    lead_q, lead_k = ((B, H), (B, Hk)) if B else ((), ())
+    q = tga._round(magnitude * rng.standard_normal(lead_q + (n, d)), dt)
+    k = tga._round(rng.standard_normal(lead_k + (m, d)), dt)
+    v = tga._round(rng.standard_normal(lead_k + (m, d)), dt)
+    do = tga._round(rng.standard_normal(lead_q + (n, d)), dt)
+    sc = fgpu.check_scale(scale, d)
+    want = reference.attention_backward(*(x.astype(np.float64) for x in (q, k, v, do)), causal=causal, scale=sc)
+    naive = _naive_backward_same_precision(q, k, v, do, causal, sc, dt)
+
+    qg, kg, vg, dog = (tga._to_gpu(x, dt) for x in (q, k, v, do))
+    bf = dt == "bf16"
+    o, lse = fgpu.attention(qg, kg, vg, causal=causal, scale=scale, bf16=bf)
+    got = fgpu.attention_backward(qg, kg, vg, o, lse, dog, causal=causal, scale=scale, bf16=bf)
+    cp.cuda.Device().synchronize()
+    got = [tga._from_gpu(x, dt) for x in got]
+    what = f"{dt} B={B} H={H} Hk={Hk} n={n} m={m} d={d} causal={causal} magnitude={magnitude}"
+    for name, g, w, nv in zip(("dq", "dk", "dv"), got, want, naive, strict=True):
+        assert g.shape == w.shape, (name, g.shape, w.shape)
+        assert np.isfinite(g).all(), f"nan/inf in {name}: {what}"
+        err, err_nv = tga._err(g, w), tga._err(nv, w)
+        assert err <= 2 * err_nv + 1e-6 + 1e-5 * float(np.abs(w).max(initial=0)), (name, what, err, err_nv)
+    return got
+
+
+# ------------------------------------------------------------------------------------------------- GPU checks
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+def test_backward_matches_reference_on_random_shapes(rng, dt):
+    for trial in range(8):
+        d = int(rng.choice([64, 128]))
+        n, m = (int(rng.choice([1, int(rng.choice(PRIMES)), int(rng.integers(1, 32)), int(rng.integers(1, 300))]))
+                for _ in range(2))
+        causal = bool(trial % 2)
+        if trial % 4 == 3:
+            _check_backward(rng, dt, 0, 0, 0, n, m, d, causal)  # 2-D (n, d) inputs
+        else:
+            Hk = int(rng.integers(1, 3))
+            _check_backward(rng, dt, int(rng.integers(1, 3)), Hk * int(rng.integers(1, 4)), Hk, n, m, d, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+def test_backward_exact_tiles_long_rows_and_gqa(rng, dt):
+    for d in (64, 128):
+        _check_backward(rng, dt, 1, 2, 2, 256, 256, d, True)
+        _check_backward(rng, dt, 1, 4, 1, 96, 640, d, False)  # MQA: four query heads on one K/V head
+        _check_backward(rng, dt, 2, 6, 2, 129, 97, d, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+def test_backward_fully_masked_rows_and_huge_logits(rng, dt):
+    n, m = 150, 37  # causal with n > m: the first n - m rows see no key and get zero gradients
+    dq, _, _ = _check_backward(rng, dt, 1, 2, 1, n, m, 64, True)
+    assert (dq[..., : n - m, :] == 0).all()
+    _check_backward(rng, dt, 1, 1, 1, 70, 90, 128, True, scale=1.0, magnitude=1000.0 / np.sqrt(128))
+
+
+@pytest.mark.gpu
+def test_dk_dv_are_deterministic_and_dq_nearly(rng):
+    import cupy as cp
+
+    import flashlab.gpu as fgpu
+
+    q, k, v, do = (cp.asarray(rng.standard_normal((1, 4, 300, 64)).astype(np.float16)) for _ in range(4))
+    o, lse = fgpu.attention(q, k, v)
+    a = fgpu.attention_backward(q, k, v, o, lse, do)
+    b = fgpu.attention_backward(q, k, v, o, lse, do)
+    np.testing.assert_array_equal(a[1].get(), b[1].get())  # dK, dV: one block owns each key, fixed order
+    np.testing.assert_array_equal(a[2].get(), b[2].get())
+    # dQ: fp32 atomics in any order, then one rounding to fp16: at most one fp16 step apart
+    assert float(cp.abs(a[0].astype(cp.float32) - b[0].astype(cp.float32)).max()) <= 2e-3
+
+
+@pytest.mark.gpu
+def test_backward_bad_inputs_get_clear_errors():
+    import cupy as cp
+
+    import flashlab.gpu as fgpu
+
+    x = cp.zeros((1, 2, 8, 64), dtype=cp.float16)
+    lse = cp.zeros((1, 2, 8), dtype=cp.float32)
+    with pytest.raises(TypeError, match="float32"):
+        fgpu.attention_backward(*(x.astype(cp.float32),) * 4, lse, x.astype(cp.float32))
+    with pytest.raises(ValueError, match="do must have"):
+        fgpu.attention_backward(x, x, x, x, lse, x[:, :, :4])
+    with pytest.raises(ValueError, match="lse"):
+        fgpu.attention_backward(x, x, x, x, lse.astype(cp.float16), x)
+    with pytest.raises(TypeError, match="CuPy"):
+        fgpu.attention_backward(x, x, x, x.get(), lse, x)
+    with pytest.raises(TypeError, match="causal"):
+        fgpu.attention_backward(x, x, x, x, lse, x, causal=1)
