@@ -469,16 +469,19 @@ def unmapped_groups(lab_id: str) -> dict[str, list[str]]:
     return {g: qs for g, qs in group_questions(lab_id).items() if len(qs) != 1}
 
 
-def find(lab_id: str, phrase: str, question: str | None = None, variant: str | None = None) -> Mistake:
-    """The one mistake of ``lab_id`` whose message (and variant, if given) contains ``phrase`` (case-insensitive)."""
+def find(lab_id: str, phrase: str, question: str | None = None, variant: str | None = None,
+         group: str | None = None) -> Mistake:
+    """The one mistake of ``lab_id`` whose message contains ``phrase`` (case-insensitive), narrowed by question,
+    variant (a phrase of it) and group (its module-level list) when given. Raises LookupError otherwise."""
     found = [m for m in catalogue([lab_id]) if phrase.lower() in m.message.lower()
              and (question is None or m.question == question)
-             and (variant is None or variant.lower() in m.variant.lower())]
+             and (variant is None or variant.lower() in m.variant.lower())
+             and (group is None or m.group == group)]
     if len(found) != 1:
         titles = "\n  ".join(f"{m.question} {m.title!r} {m.variant}" for m in catalogue([lab_id]))
         what = "no" if not found else f"{len(found)}"
-        raise LookupError(f"{what} mistakes of {lab_id} match {phrase!r} (question={question}, variant={variant}); "
-                          f"its mistakes are:\n  {titles}")
+        raise LookupError(f"{what} mistakes of {lab_id} match {phrase!r} (question={question}, variant={variant}, "
+                          f"group={group}); its mistakes are:\n  {titles}")
     return found[0]
 
 
@@ -800,6 +803,14 @@ class Row:
     def __post_init__(self):
         self.differs = isinstance(self.wrong, BaseException) or not allclose(self.wrong, self.right)
 
+    def differs_in(self, *indices: int) -> bool:
+        """Whether the outputs at ``indices`` (e.g. 0: lab 01's result u/l alone) differ, or the mistake raised."""
+        if isinstance(self.wrong, BaseException):
+            return True
+        if len(self.wrong) != len(self.right):
+            return True
+        return not allclose([self.wrong[i] for i in indices], [self.right[i] for i in indices])
+
 
 def demo(mistake: Mistake) -> list[Row] | None:
     """Run the mistake on its group's telling inputs beside the right answer (None if the group has no demo)."""
@@ -921,15 +932,19 @@ class Showcase:
         self.seed = seed
         self.shown: list[Mistake] = []
 
-    def show(self, lab_id: str, phrase: str, question: str | None = None, variant: str | None = None) -> None:
-        mistake = find(lab_id, phrase, question, variant)
+    def show(self, lab_id: str, phrase: str, question: str | None = None, variant: str | None = None,
+             group: str | None = None) -> None:
+        """Print the report of the one mistake :func:`find` picks with these arguments."""
+        mistake = find(lab_id, phrase, question, variant, group)
         self.shown.append(mistake)
         print(report(mistake, self.seed))
 
     def remaining(self, lab_ids: Sequence[str] | None = None) -> list[Mistake]:
+        """The mistakes of ``lab_ids`` (default all labs) not shown yet."""
         return [m for m in catalogue(lab_ids) if all(m is not s for s in self.shown)]
 
     def rest(self, lab_ids: Sequence[str] | None = None) -> None:
+        """Print the report of every mistake not shown yet."""
         left = self.remaining(lab_ids)
         if not left:
             print("Every mistake of " + (", ".join(lab_ids) if lab_ids else "every lab") + " has been shown above.")
