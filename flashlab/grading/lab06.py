@@ -342,7 +342,7 @@ def _launch(source: str, prefix: str, case: Case) -> tuple[np.ndarray, np.ndarra
 
     B, n, m, d = case.shape
     kernel = _module(source).get_function(f"{prefix}_d{d}")
-    q, k, v = (cupy.asarray(x, dtype=cupy.float32) for x in (case.q, case.k, case.v))
+    q, k, v = (cupy.ascontiguousarray(cupy.asarray(x, dtype=cupy.float32)) for x in (case.q, case.k, case.v))
     o = cupy.full((B, n, d), cupy.nan, dtype=cupy.float32)
     lse = cupy.full((B, n), cupy.nan, dtype=cupy.float32)
     kernel((math.ceil(n / THREADS), B), (THREADS,),
@@ -428,7 +428,7 @@ def same(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray], tol
 
 def _describe(case: Case, got) -> str:
     B, n, m, d = case.shape
-    where = f"B={B}, n={n}, m={m}, d={d}{', causal' if case.causal else ''}"
+    where = f"B={B}, n={n}, m={m}, d={d}{', causal' if case.causal else ''} [{case.label}]"
     if isinstance(got, BaseException):
         return f"{where}: the launch failed: {type(got).__name__}: {str(got)[:300]}"
     e = _errors_of(got, _reference(case))
@@ -440,6 +440,8 @@ def _describe(case: Case, got) -> str:
         bits.append(f"{e['empty_wrong']} of the {e['empty_rows']} rows that see no key are not O = 0, L = -inf")
     if e["inf_O"]:
         bits.append(f"{e['inf_O']} infinite values in O")
+    if e["inf_L_wrong"]:
+        bits.append(f"L is infinite in {e['inf_L_wrong']} rows that see keys (L = mx + log(l) there)")
     if math.isfinite(e["err_O"]):
         bits.append(f"O: relative error {e['err_O']:.2e} (max abs {e['max_O']:.2e})")
     if math.isfinite(e["err_L"]):

@@ -1,0 +1,318 @@
+"""Lab 06 (the online-softmax update in a CUDA kernel): compile-only grading with nvcc, the stub, the notebook's
+kernel against the grader's template, q2's scoring and diagnoses on a float32 NumPy emulation of the kernel (CPU),
+and on a GPU the real thing: the solution scores full marks and every CUDA mutant is diagnosed.
+
+The GPU tests read the solution's CUDA source from the notebook's JSON (no Jupyter needed):
+``python3 -m pytest -q -m gpu tests/test_lab06.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+
+from flashlab import reference
+from flashlab.grading import get_lab, lab06, run_question
+from flashlab.grading.core import Trial
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SOLUTION = ROOT / "solutions" / "lab06_cuda_online_softmax.ipynb"
+RELEASED = ROOT / "labs" / "lab06_cuda_online_softmax.ipynb"
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
+
+
+def kernel_of(path: pathlib.Path) -> str:
+    """The value of ``KERNEL = r\"\"\"...\"\"\"`` in a lab notebook, read from its JSON (no nbformat, no Jupyter)."""
+    nb = json.loads(path.read_text())
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        if source.startswith("KERNEL ="):
+            (assign,) = ast.parse(source).body
+            return ast.literal_eval(assign.value)
+    raise AssertionError(f"{path.name}: no cell assigns KERNEL")
+
+
+# --------------------------------------------------------------------------------- the notebook and the stub
+def test_the_notebooks_kernel_is_the_graders_template_with_the_solution():
+    kernel = kernel_of(SOLUTION)
+    without_markers = "\n".join(line for line in kernel.split("\n") if not line.strip().startswith("### "))
+    assert without_markers == lab06.render(lab06.SOLUTION)  # the mutants are mutations of this very kernel
+    # marker lines become blank lines, so compiler line numbers still count from the cell's first line
+    assert lab06.clean_source(kernel).count("\n") == kernel.count("\n")
+
+
+def test_marker_lines_match_the_release_step():
+    from flashlab.grading import release
+
+    assert lab06.MARKER_LINES == (release.BEGIN, release.END, release.STUB[0])
+
+
+def test_the_released_stub_is_not_implemented_yet():
+    stub = kernel_of(RELEASED)
+    assert "raise NotImplementedError" in stub
+    with pytest.raises(NotImplementedError):
+        lab06.clean_source(stub)
+    for q in ("q1", "q2"):
+        r = run_question("lab06", q, [stub])
+        assert r.score == 0 and "not implemented yet" in r.feedback
+
+
+def test_kernel_must_be_a_string():
+    r = run_question("lab06", "q1", [42])
+    assert r.score == 0 and "KERNEL must be a str" in r.feedback
+
+
+# ------------------------------------------------------------------------------------ compile-only (nvcc, CPU)
+@needs_nvcc
+def test_solution_compiles_and_scores_q1():
+    r = run_question("lab06", "q1", [kernel_of(SOLUTION)])
+    assert r.max_score == lab06.Q1_POINTS and r.score == r.max_score, r.feedback
+
+
+@needs_nvcc
+def test_a_compile_error_scores_zero_and_names_the_line(monkeypatch):
+    monkeypatch.setattr(lab06, "_has_gpu", lambda: False)  # the nvcc path, also on a GPU machine
+    kernel = kernel_of(SOLUTION)
+    broken = kernel.replace("mx = mnew;", "mx = mnew_typo;", 1)  # inside the student's region
+    line = next(i for i, text in enumerate(broken.split("\n"), start=1) if "mnew_typo" in text)
+    r = run_question("lab06", "q1", [broken])
+    assert r.score == 0 and "does not compile" in r.feedback and "mnew_typo" in r.feedback, r.feedback
+    # the line number is the cell's: KERNEL = r"""... starts on the cell's first line, marker lines stay blank
+    assert f"kernel.cu({line}): error" in r.feedback, (line, r.feedback)
+    assert "5 of 6 points need a GPU" in r.feedback
+    missing_semicolon = run_question("lab06", "q1", [kernel.replace("mx = mnew;", "mx = mnew", 1)])
+    assert missing_semicolon.score == 0 and "does not compile" in missing_semicolon.feedback
+
+
+@needs_nvcc
+def test_a_missing_entry_point_scores_zero(monkeypatch):
+    monkeypatch.setattr(lab06, "_has_gpu", lambda: False)
+    renamed = kernel_of(SOLUTION).replace("attn_lab_d32(", "attn_lab_d33(")
+    r = run_question("lab06", "q1", [renamed])
+    assert r.score == 0 and "missing: attn_lab_d32" in r.feedback, r.feedback
+
+
+@needs_nvcc
+def test_every_mutant_compiles_without_spills():
+    ok, log, usage = lab06.nvcc_compile(lab06.mutant_source())
+    assert ok, log
+    names = {u["kernel"] for u in usage}
+    assert names == {f"attn_{mu.tag}_d{d}" for mu in lab06.MUTANTS for d in lab06.HEAD_DIMS}
+    assert all(u["spill_store_bytes"] == 0 for u in usage), usage
+
+
+@needs_nvcc
+def test_compile_report_gives_registers_per_kernel():
+    report = lab06.compile_report(kernel_of(SOLUTION))
+    assert {r["kernel"] for r in report} == set(lab06.ENTRY_POINTS)
+    assert all(r["registers"] > 0 for r in report)
+
+
+def test_without_gpu_and_nvcc_nothing_is_graded_and_nothing_crashes(monkeypatch):
+    monkeypatch.setattr(lab06, "_has_gpu", lambda: False)
+    monkeypatch.setattr(lab06, "_nvcc", lambda: None)
+    for q in ("q1", "q2"):
+        r = run_question("lab06", q, [kernel_of(SOLUTION)])
+        assert r.score == 0 and "no GPU and no nvcc" in r.feedback and "not graded here" in r.feedback
+    assert "No GPU and no nvcc" in lab06.machine()
+    assert lab06.compile_report(kernel_of(SOLUTION)) is None
+
+
+def test_without_gpu_q2_says_which_points_need_one(monkeypatch):
+    monkeypatch.setattr(lab06, "_has_gpu", lambda: False)
+    monkeypatch.setattr(lab06, "_nvcc", lambda: "/usr/bin/nvcc")
+    r = run_question("lab06", "q2", [kernel_of(SOLUTION)])
+    assert r.score == 0 and "5 of 6 points need a GPU; not graded here" in r.feedback
+
+
+def test_max_score_counts_only_what_this_machine_can_grade():
+    lab = get_lab("lab06")
+    gpu, nvcc = lab06._has_gpu(), shutil.which("nvcc") is not None
+    expected = lab06.Q1_POINTS + lab06.Q2_POINTS if gpu else (lab06.Q1_POINTS if nvcc else 0)
+    assert lab.max_score == expected
+
+
+# --------------------------------------------------------------- q2 on a float32 emulation of the kernel (CPU)
+def emulate(variant: str, case: lab06.Case) -> tuple[np.ndarray, np.ndarray]:
+    """What TEMPLATE computes with the update ``variant`` ("solution" or a mutant's tag), in float32 NumPy.
+
+    All rows at once, key by key, with the same formulas (fmaxf ignores NaN like np.fmax)."""
+    q, k, v = case.q, case.k, case.v
+    B, n, m, d = case.shape
+    S = (np.einsum("bnd,bmd->bnm", q.astype(np.float64), k.astype(np.float64)).astype(np.float32)
+         * np.float32(case.scale))
+    if case.causal:
+        S = np.where(np.arange(m)[None, None, :] > np.arange(n)[None, :, None] + (m - n), np.float32(-np.inf), S)
+    mx = np.full((B, n), -np.inf, np.float32)
+    l = np.zeros((B, n), np.float32)
+    acc = np.zeros((B, n, d), np.float32)
+    guarded = variant not in ("unguarded", "no_max_at_all")
+    with np.errstate(all="ignore"):
+        for j in range(m):
+            s, vj = S[:, :, j], v[:, None, j, :]
+            mnew = np.fmax(mx, s)
+            corr = np.exp(mnew - mx) if variant == "flipped" else np.exp(mx - mnew)
+            p = np.exp(s) if variant.startswith("no_max") else np.exp(s - mnew)
+            c = corr[..., None]
+            if variant in ("solution", "unguarded", "flipped"):
+                l2, acc2, mx2 = l * corr + p, acc * c + p[..., None] * vj, mnew
+            elif variant == "no_rescale":
+                l2, acc2, mx2 = l + p, acc + p[..., None] * vj, mnew
+            elif variant == "no_rescale_acc":
+                l2, acc2, mx2 = l * corr + p, acc + p[..., None] * vj, mnew
+            elif variant == "no_rescale_l":
+                l2, acc2, mx2 = l + p, acc * c + p[..., None] * vj, mnew
+            elif variant == "no_max":
+                l2, acc2, mx2 = l + p, acc + p[..., None] * vj, np.fmax(mx, s)
+            elif variant == "no_max_at_all":
+                l2, acc2, mx2 = l + p, acc + p[..., None] * vj, mx
+            elif variant == "divide_in_loop":
+                l2 = l * corr + p
+                acc2, mx2 = (acc * (l * corr)[..., None] + p[..., None] * vj) / l2[..., None], mnew
+            elif variant == "divide_in_loop_only_new":
+                l2 = l * corr + p
+                acc2, mx2 = (acc * c + p[..., None] * vj) / l2[..., None], mnew
+            else:
+                raise ValueError(variant)
+            keep = s != -np.inf if guarded else np.ones_like(s, dtype=bool)
+            l = np.where(keep, l2, l).astype(np.float32)
+            acc = np.where(keep[..., None], acc2, acc).astype(np.float32)
+            mx = np.where(keep, mx2, mx).astype(np.float32)
+        inv = np.where(l > 0, np.float32(1) / np.where(l > 0, l, 1), 0).astype(np.float32)
+        O = acc * inv[..., None]
+        L = np.where(l > 0, mx + np.log(np.where(l > 0, l, 1)), -np.inf).astype(np.float32)
+    return O, L
+
+
+def _key(source: str) -> str:
+    return "\n".join(line for line in source.split("\n") if line.strip())  # marker lines are blanked when graded
+
+
+VARIANTS = {_key(lab06.render(lab06.SOLUTION)): "solution",
+            **{_key(lab06.render(mu.update)): mu.tag for mu in lab06.MUTANTS}}
+
+
+@pytest.fixture
+def emulated_gpu(monkeypatch):
+    """Pretend there is a GPU: q2 runs the emulation of whichever variant the source is."""
+    monkeypatch.setattr(lab06, "_has_gpu", lambda: True)
+    monkeypatch.setattr(lab06, "_cupy_compile", lambda source, names: None)
+
+    def runner(source):
+        student = VARIANTS[_key(source)]
+
+        def run(prefix, case):
+            return emulate(student if prefix == "attn_lab" else prefix[len("attn_"):], case)
+
+        return run
+
+    monkeypatch.setattr(lab06, "_gpu_runner", runner)
+    monkeypatch.setattr(get_lab("lab06").questions["q2"], "points", float(lab06.Q2_POINTS))
+
+
+def test_emulated_solution_scores_full_marks(emulated_gpu):
+    r = run_question("lab06", "q2", [kernel_of(SOLUTION)], time_limit=None)
+    assert r.score == r.max_score == lab06.Q2_POINTS, r.feedback
+
+
+@pytest.mark.parametrize("mutant", lab06.MUTANTS, ids=lambda mu: mu.tag)
+def test_emulated_mutant_is_diagnosed(emulated_gpu, mutant):
+    r = run_question("lab06", "q2", [lab06.render(mutant.update)], time_limit=None)
+    assert r.score < r.max_score, r.feedback
+    assert f"Likely mistake (all failing inputs match it): {mutant.message}" in r.feedback, r.feedback
+
+
+def test_only_keyless_rows_fail_without_the_guard(emulated_gpu):
+    unguarded = next(mu for mu in lab06.MUTANTS if mu.tag == "unguarded")
+    r = run_question("lab06", "q2", [lab06.render(unguarded.update)], time_limit=None)
+    assert "[ok  ] random shapes" in r.feedback and "[FAIL] causal" in r.feedback, r.feedback
+
+
+def test_the_emulated_solution_is_within_the_fp32_tolerance_by_a_margin(rng):
+    """The rule (1e-5) is not borderline for a correct fp32 kernel: the emulation stays 10x below it."""
+    t = Trial(int(rng.integers(2**31)))
+    for cases in lab06.random_cases(t).values():
+        for case in cases:
+            e = lab06._errors_of(emulate("solution", case), lab06._reference(case))
+            assert e["err_O"] < lab06.TOLERANCE / 10 and e["err_L"] < lab06.TOLERANCE / 10, (case.label, e)
+
+
+# ------------------------------------------------------------------------------------------ the pass rule
+def test_close_and_same_on_numbers():
+    rng = np.random.default_rng(0)
+    Or, Lr = rng.standard_normal((1, 4, 3)), rng.standard_normal((1, 4))
+    Lr[0, 0], Or[0, 0] = -np.inf, 0  # a row that sees no key
+    assert lab06.close((Or, Lr), (Or, Lr))
+    assert lab06.close((Or * (1 + 1e-7), Lr), (Or, Lr))
+    assert not lab06.close((Or * (1 + 1e-3), Lr), (Or, Lr))
+    nan_row = Or.copy()
+    nan_row[0, 0] = np.nan
+    assert not lab06.close((nan_row, Lr), (Or, Lr))  # the keyless row must be 0, not NaN
+    finite_L = Lr.copy()
+    finite_L[0, 0] = 0.0
+    assert not lab06.close((Or, finite_L), (Or, Lr))  # and its L -inf
+    assert lab06.same((nan_row, Lr), (nan_row.copy(), Lr))
+    assert not lab06.same((nan_row, Lr), (Or, Lr))
+
+
+# ------------------------------------------------------------------------------------------- on a GPU
+@pytest.mark.gpu
+def test_gpu_solution_scores_full_marks():
+    kernel = kernel_of(SOLUTION)
+    for q, points in (("q1", lab06.Q1_POINTS), ("q2", lab06.Q2_POINTS)):
+        r = run_question("lab06", q, [kernel])
+        assert r.max_score == points and r.score == points, r.feedback
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mutant", lab06.MUTANTS, ids=lambda mu: mu.tag)
+def test_gpu_mutant_is_diagnosed(mutant):
+    r = run_question("lab06", "q2", [lab06.render(mutant.update)])
+    assert r.score < r.max_score, r.feedback
+    assert mutant.message in r.feedback, r.feedback
+
+
+@pytest.mark.gpu
+def test_gpu_emulation_agrees_with_the_kernel(rng):
+    """The CPU tests above stand in for the GPU: each variant's emulation matches its CUDA kernel."""
+    t = Trial(int(rng.integers(2**31)))
+    cases = [c for cs in lab06.random_cases(t).values() for c in cs]
+    run = lab06._gpu_runner(lab06.render(lab06.SOLUTION))
+    for case in cases:
+        assert lab06.same(run("attn_lab", case), emulate("solution", case)), case.label
+        for mu in lab06.MUTANTS:
+            if mu.tag.startswith("no_max") and "huge" in case.label:
+                continue  # sums overflowing near 3.4e38: a fused multiply-add may round where NumPy overflows
+            assert lab06.same(run(f"attn_{mu.tag}", case), emulate(mu.tag, case)), (mu.tag, case.label)
+
+
+@pytest.mark.gpu
+def test_gpu_outputs_are_poisoned_so_unwritten_rows_fail():
+    lazy = kernel_of(SOLUTION).replace("if (i >= n) return;", "if (i >= n || i == n - 1) return;")
+    r = run_question("lab06", "q2", [lazy])
+    assert r.score == 0 and "NaN" in r.feedback, r.feedback
+
+
+@pytest.mark.gpu
+def test_gpu_q1_reports_a_compile_error():
+    r = run_question("lab06", "q1", [kernel_of(SOLUTION).replace("mx = mnew;", "mx = mnew", 1)])
+    assert r.score == 0 and "does not compile" in r.feedback and "error" in r.feedback, r.feedback
+
+
+@pytest.mark.gpu
+def test_gpu_attention_helper_matches_the_reference(rng):
+    n, m, d = 130, 77, 32
+    Q, K, V = (rng.standard_normal(s).astype(np.float32) for s in ((n, d), (m, d), (m, d)))
+    O, L = lab06.attention(kernel_of(SOLUTION), Q, K, V, causal=True)
+    scale = float(np.float32(1 / math.sqrt(d)))
+    O_ref, L_ref = reference.attention(Q.astype(np.float64), K, V, causal=True, scale=scale)
+    assert lab06.close((O, L), (O_ref, L_ref))
+    assert np.isneginf(L[: n - m]).all() and (O[: n - m] == 0).all()
