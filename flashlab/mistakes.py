@@ -178,6 +178,15 @@ def _literal(node: ast.AST, module: types.ModuleType) -> str | None:
     return None
 
 
+def _message_position(cls: Any) -> int:
+    """Where ``message`` sits among a mutant class's positional arguments (0 for Mutant; 1 for lab 06's)."""
+    try:
+        names = list(inspect.signature(cls).parameters)
+    except (TypeError, ValueError):
+        return 0
+    return names.index("message") if "message" in names else 0
+
+
 def declared_mutants(lab_id: str) -> list[tuple[str | None, str | None]]:
     """Every ``Mutant(...)`` (or ``...Mutant(...)``) call in a lab module's source: (enclosing top-level function
     or None, message).
@@ -194,7 +203,10 @@ def declared_mutants(lab_id: str) -> list[tuple[str | None, str | None]]:
                 continue
             called = getattr(node.func, "id", getattr(node.func, "attr", None))
             if isinstance(called, str) and called.endswith("Mutant"):
-                arg = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "message"), None)
+                arg = next((k.value for k in node.keywords if k.arg == "message"), None)
+                position = _message_position(getattr(module, called, Mutant))
+                if arg is None and len(node.args) > position:
+                    arg = node.args[position]
                 found.append((owner, _literal(arg, module) if arg is not None else None))
     return found
 
@@ -560,7 +572,7 @@ class Demo:
 def _result_of(state) -> tuple:
     m, l, u = (np.asarray(x, dtype=float) for x in state)
     with np.errstate(all="ignore"):
-        result = np.where(l > 0, u / np.where(l > 0, l, 1.0), 0.0)  # an empty row's result is 0 by convention
+        result = np.where(l == 0, 0.0, u / np.where(l == 0, 1.0, l))  # an empty row's result is 0 by convention
     return (result, m, l, u)
 
 

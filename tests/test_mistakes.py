@@ -1,0 +1,319 @@
+"""The common-mistakes catalogue (flashlab.mistakes, chapter 9): complete, runnable, and named by its graders.
+
+If a test here fails after you added a mutant or a lab, its message says what to add to flashlab/mistakes.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from flashlab import mistakes
+from flashlab.grading import core, get_lab
+
+LABS = mistakes.labs()
+FIX = "flashlab/mistakes.py"
+
+
+def _module_mutants(module) -> list[tuple[str, object]]:
+    """(where, mutant) for every mutant reachable from a lab module's globals: alone, or in a list/tuple/dict."""
+    found = []
+    for name, value in vars(module).items():
+        if mistakes.is_mutant(value):
+            found.append((name, value))
+        elif isinstance(value, (list, tuple)):
+            found += [(f"{name}[{i}]", v) for i, v in enumerate(value) if mistakes.is_mutant(v)]
+        elif isinstance(value, dict):
+            found += [(f"{name}[{k!r}]", v) for k, v in value.items() if mistakes.is_mutant(v)]
+    return found
+
+
+# --------------------------------------------------------------------------------------------- completeness
+@pytest.mark.parametrize("lab_id", LABS)
+def test_every_module_level_mutant_is_in_the_catalogue(lab_id):
+    module = mistakes.lab_module(lab_id)
+    listed = {id(m.mutant) for m in mistakes.catalogue([lab_id]) if m.mutant is not None}
+    for where, mutant in _module_mutants(module):
+        assert id(mutant) in listed, (
+            f"{lab_id}.{where} ({mutant.message[:70]!r}) is missing from flashlab.mistakes.catalogue(). A mutant "
+            f"belongs to the question whose function uses its module-level list (directly or through the lab "
+            f"module's own helper functions). Keep it in a module-level list or tuple that exactly one question uses, "
+            f"or add ({lab_id!r}, '<LIST NAME>'): '<question>' to QUESTION_OF in {FIX}. "
+            f"Unmapped lists: {mistakes.unmapped_groups(lab_id)}"
+        )
+
+
+@pytest.mark.parametrize("lab_id", LABS)
+def test_every_declared_mutant_is_in_the_catalogue(lab_id):
+    """Mutant(...) calls written inside question functions (lab 05) are found in the source, by their message."""
+    messages = {m.message for m in mistakes.catalogue([lab_id])}
+    questions = {q.run.__name__ for q in get_lab(lab_id).questions.values()}
+    for owner, message in mistakes.declared_mutants(lab_id):
+        if owner in questions:
+            assert message is not None, (
+                f"{lab_id}: a Mutant inside {owner}() has a message that is not a string literal or a module "
+                f"constant, so {FIX} cannot read it: write it as a literal (or a module-level str constant)"
+            )
+        if message is not None:
+            assert message in messages, f"{lab_id}: {message[:70]!r} (in {owner or 'module'}) is not catalogued"
+
+
+@pytest.mark.parametrize("lab_id", LABS)
+def test_every_mutant_list_belongs_to_one_question(lab_id):
+    unmapped = mistakes.unmapped_groups(lab_id)
+    assert not unmapped, (
+        f"{lab_id}: these mutant lists are used by no question function, or by several: {unmapped}. Add "
+        f"({lab_id!r}, '<LIST NAME>'): '<question>' to QUESTION_OF in {FIX}."
+    )
+
+
+def test_every_mistake_has_an_implementation_to_run():
+    missing = [m for m in mistakes.catalogue() if m.fn is None]
+    assert not missing, (
+        f"no wrong implementation for {missing}. A Mutant with fn=None (recognised by a predicate) needs a "
+        f"HandWritten entry in HAND_WRITTEN, keyed (lab, question, start of its message); a lab whose mutants are "
+        f"not Python functions (like lab 06's CUDA loop bodies) needs a SUBMISSIONS entry, in {FIX}."
+    )
+
+
+def test_tables_name_things_that_exist():
+    catalogue = mistakes.catalogue()
+    for lab_id, question, start in [*mistakes.HAND_WRITTEN, *mistakes.EXPECT]:
+        assert any(m.lab_id == lab_id and m.question == question and m.message.startswith(start)
+                   for m in catalogue), f"stale entry in {FIX}: no mutant of {lab_id} {question} starts with {start!r}"
+    for (lab_id, group), question in mistakes.QUESTION_OF.items():
+        assert group in mistakes.mutant_groups(lab_id) and question in get_lab(lab_id).questions, (lab_id, group)
+    for (lab_id, group), obj in mistakes.OBJECT_OF.items():
+        questions = mistakes.group_questions(lab_id).get(group)
+        assert questions and obj in get_lab(lab_id).questions[questions[0]].objects, (lab_id, group, obj)
+    for lab_id, key in mistakes.DEMOS:
+        assert key in mistakes.mutant_groups(lab_id) or key in get_lab(lab_id).questions, (lab_id, key)
+    for other in mistakes.OTHER_DIAGNOSES:
+        assert other.obj in get_lab(other.lab_id).questions[other.question].objects, other
+
+
+def test_multi_object_questions_replace_the_right_object():
+    # lab 03 q1 grades three formulas at once: each list's mutants stand for one of them
+    objs = {m.group: m.obj for m in mistakes.catalogue(["lab03"])}
+    assert objs["STANDARD_MUTANTS"] == "standard_counts" and objs["KV_OUTER_MUTANTS"] == "kv_outer_counts"
+    assert objs["Q_OUTER_MUTANTS"] == "q_outer_counts" and objs["BLOCK_MUTANTS"] == "paper_blocks"
+
+
+def test_find_is_unambiguous_and_explains_itself():
+    assert mistakes.find("lab01", "averaging block results", question="q3").question == "q3"
+    with pytest.raises(LookupError, match="2 mistakes of lab01"):
+        mistakes.find("lab01", "averaging block results")
+    with pytest.raises(LookupError, match="its mistakes are"):
+        mistakes.find("lab01", "no such mistake")
+
+
+# ------------------------------------------------------------------------------- the graders name each one
+def _cpu_cases():
+    for m in mistakes.catalogue():
+        if mistakes.needs_gpu(m.lab_id) or mistakes.needs_simulator(m.lab_id):
+            continue
+        yield pytest.param(m, id=f"{m.lab_id}-{m.question}-{m.title[:40]}-{m.variant[:20]}")
+
+
+@pytest.mark.parametrize("mistake", list(_cpu_cases()))
+def test_each_mistake_is_named_by_its_grader(mistake):
+    """What chapter 9 shows: graded with the chapter's seed, the mistake loses points and is named."""
+    result = mistakes.grade(mistake)
+    assert result.score < result.max_score, f"{mistake!r} scored full marks:\n{result.feedback}"
+    assert mistakes.diagnosed(mistake, result), (
+        f"{mistake!r} is not named ({mistake.expect!r} not in the feedback, seed {result.seed}):\n{result.feedback}\n"
+        f"If the grader names it in other words on purpose, add the phrase to EXPECT in {FIX}."
+    )
+
+
+def _in_simulator(code: str, timeout: float = 300) -> dict:
+    """Run ``code`` in a fresh Python with the CUDA simulator chosen first; it must print one JSON line last."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    script = "import json\nfrom flashlab import numba_kernels\nnumba_kernels.use_simulator()\n"
+    script += "from flashlab import mistakes\n" + textwrap.dedent(code)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout,
+                         cwd=mistakes.ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_simulator_mistakes_are_named_and_their_demos_show_them():
+    """Lab 05 (and any lab graded in the CUDA simulator), in a subprocess: the simulator is chosen per process."""
+    labs = [lab for lab in LABS if mistakes.needs_simulator(lab) and not mistakes.needs_gpu(lab)]
+    assert labs, "no lab runs in the simulator any more: drop this test"
+    res = _in_simulator(f"""
+        out = []
+        for m in mistakes.catalogue({labs!r}):
+            r = mistakes.grade(m)
+            rows = mistakes.demo(m)
+            out.append([repr(m), r.score, r.max_score, mistakes.diagnosed(m, r), r.feedback,
+                        None if rows is None else any(row.differs for row in rows)])
+        print(json.dumps(out))
+    """)
+    assert len(res) >= 9
+    for name, score, max_score, named, feedback, demo_differs in res:
+        assert score < max_score and named, f"{name} not named:\n{feedback}"
+        assert demo_differs in (None, True), f"{name}: its demo inputs do not show it"
+
+
+@pytest.mark.gpu
+def test_gpu_mistakes_are_named_on_a_gpu():
+    found = [m for m in mistakes.catalogue() if mistakes.needs_gpu(m.lab_id)]
+    assert found
+    for m in found:
+        result = mistakes.grade(m)
+        assert result.score < result.max_score and mistakes.diagnosed(m, result), f"{m!r}:\n{result.feedback}"
+        rows = mistakes.demo(m)
+        assert rows is None or any(row.differs for row in rows), f"{m!r}: its demo inputs do not show it"
+
+
+def test_without_a_gpu_gpu_mistakes_are_listed_not_run(monkeypatch):
+    found = [m for m in mistakes.catalogue() if mistakes.needs_gpu(m.lab_id)]
+    if not found:
+        pytest.skip("no lab needs a GPU")
+    monkeypatch.setattr(mistakes, "gpu_here", lambda: False)
+    text = mistakes.report(found[0])
+    assert "needs a GPU" in text and found[0].message in text
+    if mistakes.source_diff(found[0]) is not None:
+        assert "\n-" in text and "\n+" in text  # the right and the wrong code, as a diff
+
+
+# ------------------------------------------------------------------------------------------------- the demos
+def _softmax_average(scores, values):
+    w = np.exp(scores - scores.max())
+    return float(w @ values / w.sum())
+
+
+def test_scalar_example_right_and_averaged():
+    """The chapter's headline numbers, recomputed here independently of the package."""
+    scores, values = np.array([0, 0, np.log(3), np.log(3)]), np.array([0.0, 0, 1, 1])
+    right = _softmax_average(scores, values)
+    averaged = (_softmax_average(scores[:2], values[:2]) + _softmax_average(scores[2:], values[2:])) / 2
+    assert right == pytest.approx(0.75) and averaged == pytest.approx(0.5)
+    for phrase, question, expected in (("averaging block results", "q1", averaged), ("not rescaled", "q1", averaged),
+                                       ("averaging block results", "q3", averaged)):
+        row = mistakes.demo(mistakes.find("lab01", phrase, question=question))[0]
+        assert "scalar example" in row.label
+        assert float(np.ravel(row.right[0])[0]) == pytest.approx(right, abs=1e-12)
+        assert float(np.ravel(row.wrong[0])[0]) == pytest.approx(expected, abs=1e-12), phrase
+
+
+def test_overflow_and_masked_block_give_nan_where_the_answer_is_a_number():
+    for phrase, input_kind in (("no max subtraction", "logits near 1000"), ("fully masked block", "masked")):
+        rows = {row.label: row for row in mistakes.demo(mistakes.find("lab01", phrase))}
+        row = next(r for label, r in rows.items() if input_kind in label)
+        assert np.isfinite(row.right[0]).all() and np.isnan(row.wrong[0]).any(), phrase
+
+
+def test_demo_rights_are_the_truth():
+    """The 'right' column comes from flashlab.reference / online / iocount, not from the mistake's own module."""
+    from flashlab import online, reference
+
+    row = mistakes.demo(mistakes.find("lab01", "last ragged block is dropped"))[1]
+    scores, values = np.array([0, 0, np.log(3), np.log(3), 2.0]), np.array([0.0, 0, 1, 1, 4])
+    assert float(row.right[0]) == pytest.approx(_softmax_average(scores, values), abs=1e-12)
+    assert float(row.right[0]) == pytest.approx(float(online.attend(scores, values)), abs=1e-12)
+    rows = mistakes.demo(mistakes.find("lab02", "ragged K/V tile"))
+    rng_q = mistakes._small_qkv(3, 5, 2, 1, seed=1)
+    O, L = reference.attention(*rng_q)
+    assert np.allclose(rows[0].right[0], O, atol=1e-14) and np.allclose(rows[0].right[1], L, atol=1e-14)
+
+
+@pytest.mark.parametrize("mistake", [m for m in mistakes.catalogue()
+                                     if not mistakes.needs_gpu(m.lab_id) and not mistakes.needs_simulator(m.lab_id)
+                                     and mistakes.demo_for(m) is not None],
+                         ids=lambda m: f"{m.lab_id}-{m.title[:40]}-{m.variant[:20]}")
+def test_each_demo_shows_its_mistake(mistake):
+    rows = mistakes.demo(mistake)
+    assert any(row.differs for row in rows), f"{mistake!r}: right and wrong agree on every demo input"
+    text = mistakes.format_rows(rows, mistakes.demo_for(mistake).names)
+    assert "wrong" in text and "right" in text
+
+
+def test_report_holds_demo_and_grader_message():
+    m = mistakes.find("lab01", "not rescaled")
+    text = mistakes.report(m)
+    assert "the scalar example" in text and "wrong 0.5" in text
+    assert "(recognised)" in text and m.message in text and "points (seed 0)" in text
+
+
+# ----------------------------------------------------------------------------------- a lab added later
+NEW_LAB = '''
+from .core import Case, Lab, Mutant, Trial
+
+LAB = Lab("lab98", "A lab written after chapter 9")
+
+
+def _twice(x):
+    return 2 * x
+
+
+def _plus_one(x):
+    return x + 1
+
+
+DOUBLE_MUTANTS = [Mutant("doubled: return x itself, not 2 x.", fn=_twice)]
+HELPER_MUTANTS = (Mutant("off by one: no + 1.", fn=_plus_one),)
+
+
+def _part(t, ident):
+    t.compare("through a helper", 1, student=ident, cases=[Case((3.0,))], reference=lambda c: c.args[0],
+              mutants=HELPER_MUTANTS)
+
+
+@LAB.question("q1", points=2, objects=("ident",))
+def q1(t: Trial, ident):
+    """ident(x) returns x."""
+    cases = [Case((float(x),)) for x in t.rng.integers(1, 9, size=3)]
+    t.compare("identity", 1, student=ident, cases=cases, reference=lambda c: c.args[0], mutants=DOUBLE_MUTANTS)
+    _part(t, ident)
+
+
+@LAB.question("q2", points=1, objects=("ident",))
+def q2(t: Trial, ident):
+    """Nothing to see."""
+    inline = [Mutant("negated: -x.", explains=lambda case, got, want: bool(got[0] == -want[0]))]
+    t.compare("sign", 1, student=ident, cases=[Case((2.0,))], reference=lambda c: c.args[0], mutants=inline)
+'''
+
+
+@pytest.fixture
+def new_lab(tmp_path):
+    name = "flashlab.grading.lab98"
+    path = tmp_path / "lab98.py"
+    path.write_text(NEW_LAB)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(name, None)
+    core._REGISTRY.pop("lab98", None)
+    mistakes._catalogue.cache_clear()
+
+
+def test_a_new_lab_is_picked_up_without_editing_the_catalogue(new_lab):
+    found = mistakes.catalogue(["lab98"])
+    by_group = {m.group: m for m in found}
+    assert by_group["DOUBLE_MUTANTS"].question == "q1"
+    assert by_group["HELPER_MUTANTS"].question == "q1"  # found through the helper _part()
+    inline = by_group["inside q2"]
+    assert inline.message == "negated: -x." and inline.fn is None  # no implementation: the tests above would ask
+    text = mistakes.report(by_group["DOUBLE_MUTANTS"])
+    assert "(recognised)" in text and "no hand-picked input" in text and "doubled" in text
+    book = mistakes.Showcase()
+    assert {m.message for m in book.remaining(["lab98"])} == {m.message for m in found}
+
+
+def test_a_list_no_question_uses_is_reported(new_lab):
+    new_lab.ORPHAN_MUTANTS = [core.Mutant("never used", fn=lambda x: x)]
+    mistakes._catalogue.cache_clear()
+    assert mistakes.unmapped_groups("lab98") == {"ORPHAN_MUTANTS": []}
+    assert all(m.group != "ORPHAN_MUTANTS" for m in mistakes.catalogue(["lab98"]))
