@@ -1,0 +1,244 @@
+"""Lab 07 — split-KV decoding: the partials of each key split and their merge.
+
+q1 ``merge_partials(o_parts, lse_parts) -> (o, lse)``: rows x splits partials (each o_s normalised over its own
+keys, lse_s its logsumexp) merged into the attention of the whole row. Checked on partials made from real splits
+of random scores, with lse up to 1000 in size, empty splits (lse = -inf) and rows where every split is empty.
+
+q2 ``split_partials(q, k, v, num_splits) -> (o_parts, lse_parts)``: what each block of the split kernel computes,
+in NumPy: split s covers keys [s L, min((s + 1) L, m)) with L = ceil(m / num_splits).
+
+q3 ``kv_cache_bytes(batch, kv_heads, m, d, bytes_per_value)``: what one decoding step must read.
+
+Everything is graded on the CPU; the solution notebook also runs the student's merge on the GPU kernel's partials
+when a GPU is present.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import reference
+from .core import Case, Lab, Mutant, Trial
+
+LAB = Lab("lab07", "Split-KV decoding: partials and their merge")
+
+
+# ------------------------------------------------------------------------------------------- truth and helpers
+def _merge(o_parts, lse_parts):
+    o_parts, lse_parts = np.asarray(o_parts, float), np.asarray(lse_parts, float)
+    mx = lse_parts.max(axis=-1, keepdims=True)
+    safe = np.where(np.isfinite(mx), mx, 0.0)
+    w = np.exp(lse_parts - safe)
+    tot = w.sum(axis=-1, keepdims=True)
+    o = (w[..., None] * o_parts).sum(axis=-2) / np.where(tot > 0, tot, 1.0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(tot[..., 0] > 0, safe[..., 0] + np.log(np.where(tot > 0, tot, 1.0))[..., 0], -np.inf)
+    return o, lse
+
+
+def _ranges(m: int, num_splits: int) -> list[tuple[int, int]]:
+    step = math.ceil(m / num_splits)
+    return [(min(s * step, m), min((s + 1) * step, m)) for s in range(num_splits)]
+
+
+def _split_truth(q, k, v, num_splits):
+    n, d = q.shape
+    o_parts = np.zeros((n, num_splits, v.shape[1]))
+    lse_parts = np.full((n, num_splits), -np.inf)
+    for s, (lo, hi) in enumerate(_ranges(k.shape[0], num_splits)):
+        if hi > lo:
+            o_parts[:, s], lse_parts[:, s] = reference.attention(q, k[lo:hi], v[lo:hi])
+    return o_parts, lse_parts
+
+
+def _partials_case(t: Trial, rows: int, splits: int, dv: int, magnitude: float, empty: float, label: str) -> Case:
+    """Partials of real splits of random score rows; each split empty with probability ``empty``."""
+    o_parts = np.zeros((rows, splits, dv))
+    lse_parts = np.full((rows, splits), -np.inf)
+    for r in range(rows):
+        for s in range(splits):
+            if t.rng.random() < empty:
+                continue
+            k = int(t.rng.integers(1, 9))
+            scores = magnitude * t.rng.uniform(-1, 1, k)
+            values = t.rng.standard_normal((k, dv))
+            mx = scores.max()
+            p = np.exp(scores - mx)
+            o_parts[r, s] = p @ values / p.sum()
+            lse_parts[r, s] = mx + np.log(p.sum())
+    return Case((o_parts, lse_parts), label or f"rows={rows}, splits={splits}, dv={dv}")
+
+
+# --------------------------------------------------------------------------------------------------- mutants
+def _merge_average(o_parts, lse_parts):
+    return np.asarray(o_parts).mean(axis=-2), _merge(o_parts, lse_parts)[1]
+
+
+def _merge_no_max(o_parts, lse_parts):
+    with np.errstate(all="ignore"):
+        w = np.exp(np.asarray(lse_parts, float))
+        tot = w.sum(axis=-1)
+        return (w[..., None] * o_parts).sum(axis=-2) / tot[..., None], np.log(tot)
+
+
+def _merge_unguarded(o_parts, lse_parts):
+    with np.errstate(all="ignore"):
+        mx = np.asarray(lse_parts, float).max(axis=-1, keepdims=True)
+        w = np.exp(lse_parts - mx)
+        tot = w.sum(axis=-1, keepdims=True)
+        return (w[..., None] * o_parts).sum(axis=-2) / tot, (mx + np.log(tot))[..., 0]
+
+
+def _merge_not_normalised(o_parts, lse_parts):
+    lse_parts = np.asarray(lse_parts, float)
+    mx = lse_parts.max(axis=-1, keepdims=True)
+    safe = np.where(np.isfinite(mx), mx, 0.0)
+    w = np.exp(lse_parts - safe)
+    return (w[..., None] * o_parts).sum(axis=-2), _merge(o_parts, lse_parts)[1]
+
+
+def _merge_lse_is_max(o_parts, lse_parts):
+    return _merge(o_parts, lse_parts)[0], np.asarray(lse_parts, float).max(axis=-1)
+
+
+def _merge_lse_is_sum(o_parts, lse_parts):
+    lse = np.asarray(lse_parts, float)
+    return _merge(o_parts, lse_parts)[0], np.where(np.isfinite(lse), lse, 0.0).sum(axis=-1)
+
+
+def _o_only(out):
+    return out[:1]
+
+
+def _lse_only(out):
+    return out[1:2]
+
+
+MERGE_MUTANTS = [
+    Mutant("averaging the partial outputs: each split carries a different mass e^(lse_s), so the merged output is "
+           "the weighted mean sum_s e^(lse_s - lse) o_s, not the plain mean.", fn=_merge_average, key=_o_only),
+    Mutant("the weights are not normalised: after sum_s e^(lse_s - M) o_s divide by sum_s e^(lse_s - M) (each "
+           "o_s is already an average, so the weights must add up to 1).", fn=_merge_not_normalised, key=_o_only),
+    Mutant("no max subtraction: e^(lse_s) overflows to inf for lse near 1000 (and inf / inf = nan). Subtract "
+           "M = max_s lse_s before exponentiating and add it back to the lse.", fn=_merge_no_max),
+    Mutant("a row whose splits are all empty (every lse_s = -inf) gives nan: M = -inf and e^(-inf - (-inf)) is "
+           "nan. Such a row's result is o = 0 and lse = -inf.", fn=_merge_unguarded),
+    Mutant("lse is not the max of the partial lse: it is log sum_s e^(lse_s) = M + log sum_s e^(lse_s - M), "
+           "larger than the max whenever two splits contribute.", fn=_merge_lse_is_max, key=_lse_only),
+    Mutant("the partial lse are added: logsumexp of a union is log(sum of exps), not a sum of logs.",
+           fn=_merge_lse_is_sum, key=_lse_only),
+]
+
+
+@LAB.question("q1", points=4, objects=("merge_partials",))
+def q1(t: Trial, merge_partials) -> None:
+    """merge_partials(o_parts (rows, S, dv), lse_parts (rows, S)) -> (o (rows, dv), lse (rows,))."""
+    names = ("o", "lse")
+    plain = [_partials_case(t, int(t.rng.integers(1, 5)), int(t.rng.integers(1, 7)), int(t.rng.integers(1, 6)),
+                            3.0, 0.0, "") for _ in range(6)]
+    t.compare("partials of ordinary scores", 2, student=merge_partials, cases=plain,
+              reference=lambda c: _merge(*c.args), mutants=MERGE_MUTANTS, names=names)
+    huge = [_partials_case(t, 3, int(t.rng.integers(2, 6)), 2, 1000.0, 0.0, "scores up to 1000 in size")
+            for _ in range(3)]
+    t.compare("huge scores (lse near +-1000)", 1, student=merge_partials, cases=huge,
+              reference=lambda c: _merge(*c.args), mutants=MERGE_MUTANTS, names=names, rtol=1e-9, atol=1e-9)
+    empty = [_partials_case(t, 4, int(t.rng.integers(2, 6)), 3, 3.0, 0.5, "some splits empty (lse = -inf)")
+             for _ in range(3)]
+    all_empty = np.full((2, 3), -np.inf)
+    all_empty[1, 1] = 0.5
+    o_parts = np.zeros((2, 3, 2))
+    o_parts[1, 1] = [1.0, -2.0]
+    empty.append(Case((o_parts, all_empty), "row 0: every split empty"))
+    t.compare("empty splits and rows that see no key", 1, student=merge_partials, cases=empty,
+              reference=lambda c: _merge(*c.args), mutants=MERGE_MUTANTS, names=names)
+
+
+# ------------------------------------------------------------------------------------------------------ q2
+def _split_unnormalised(q, k, v, num_splits):
+    o, lse = _split_truth(q, k, v, num_splits)
+    with np.errstate(over="ignore"):
+        return o * np.where(np.isfinite(lse), np.exp(lse), 0)[..., None], lse
+
+
+def _split_drop_tail(q, k, v, num_splits):
+    m = k.shape[0]
+    step = math.ceil(m / num_splits)
+    keep = (m // step) * step if m % step else m
+    o, lse = _split_truth(q, k[:keep], v[:keep], num_splits)
+    return o, lse
+
+
+def _split_array_split(q, k, v, num_splits):
+    n = q.shape[0]
+    o_parts = np.zeros((n, num_splits, v.shape[1]))
+    lse_parts = np.full((n, num_splits), -np.inf)
+    for s, idx in enumerate(np.array_split(np.arange(k.shape[0]), num_splits)):
+        if idx.size:
+            o_parts[:, s], lse_parts[:, s] = reference.attention(q, k[idx], v[idx])
+    return o_parts, lse_parts
+
+
+def _split_no_scale(q, k, v, num_splits):
+    return _split_truth(q * np.sqrt(q.shape[1]), k, v, num_splits)
+
+
+SPLIT_MUTANTS = [
+    Mutant("the partial outputs are not normalised: o_s must be the softmax-weighted average over the split's "
+           "keys (divide by the split's sum l_s), because the merge weighs each o_s by e^(lse_s - lse).",
+           fn=_split_unnormalised, key=_o_only),
+    Mutant("the keys of the last, shorter split are dropped: when m is not a multiple of L = ceil(m / num_splits) "
+           "the last split is partial, but still counts.", fn=_split_drop_tail),
+    Mutant("the split boundaries differ: use L = ceil(m / num_splits) keys per split (split s covers [s L, "
+           "min((s + 1) L, m)); trailing splits may be empty), as the kernel does — not np.array_split's.",
+           fn=_split_array_split),
+    Mutant("the scale 1/sqrt(d) is missing: scores are scale * q k^T.", fn=_split_no_scale),
+]
+
+
+@LAB.question("q2", points=3, objects=("split_partials",))
+def q2(t: Trial, split_partials) -> None:
+    """split_partials(q (n, d), k (m, d), v (m, dv), num_splits) -> (o_parts (n, S, dv), lse_parts (n, S))."""
+    names = ("o_parts", "lse_parts")
+    cases = []
+    for _ in range(6):
+        n, d, dv = int(t.rng.integers(1, 4)), int(t.rng.integers(1, 9)), int(t.rng.integers(1, 5))
+        s = int(t.rng.integers(1, 6))
+        m = int(t.rng.integers(s, 60))
+        q, k, v = t.rng.standard_normal((n, d)), t.rng.standard_normal((m, d)), t.rng.standard_normal((m, dv))
+        cases.append(Case((q, k, v, s), f"n={n}, m={m}, d={d}, dv={dv}, num_splits={s}"))
+    t.compare("partials of random splits", 2, student=split_partials, cases=cases,
+              reference=lambda c: _split_truth(*c.args), mutants=SPLIT_MUTANTS, names=names)
+    ragged = []
+    for m, s in ((10, 4), (7, 3), (5, 4), (1, 3)):  # ragged last split, and splits with no key at all
+        q, k, v = t.rng.standard_normal((2, 4)), t.rng.standard_normal((m, 4)), t.rng.standard_normal((m, 3))
+        ragged.append(Case((q, k, v, s), f"m={m}, num_splits={s}"))
+    t.compare("ragged and empty splits", 1, student=split_partials, cases=ragged,
+              reference=lambda c: _split_truth(*c.args), mutants=SPLIT_MUTANTS, names=names)
+
+
+# ------------------------------------------------------------------------------------------------------ q3
+def _bytes(batch, kv_heads, m, d, bpv):
+    return 2 * batch * kv_heads * m * d * bpv
+
+
+BYTES_MUTANTS = [
+    Mutant("the cache holds K and V: two tensors of batch x kv_heads x m x d values.",
+           fn=lambda b, h, m, d, bpv: _bytes(b, h, m, d, bpv) // 2),
+    Mutant("bytes_per_value is missing: the count is in bytes, not values.",
+           fn=lambda b, h, m, d, bpv: _bytes(b, h, m, d, 1)),
+]
+
+
+@LAB.question("q3", points=1, objects=("kv_cache_bytes",))
+def q3(t: Trial, kv_cache_bytes) -> None:
+    """kv_cache_bytes(batch, kv_heads, m, d, bytes_per_value) -> bytes of K and V one decoding step reads."""
+    cases = []
+    for _ in range(6):
+        b, h = int(t.rng.integers(1, 9)), int(t.rng.integers(1, 33))
+        m, d = int(t.rng.integers(1, 200_000)), int(t.rng.choice([64, 128]))
+        bpv = int(t.rng.choice([1, 2, 4]))
+        cases.append(Case((b, h, m, d, bpv), f"batch={b}, kv_heads={h}, m={m}, d={d}, bytes_per_value={bpv}"))
+    t.compare("cache bytes", 1, student=kv_cache_bytes, cases=cases, reference=lambda c: _bytes(*c.args),
+              mutants=BYTES_MUTANTS, names=("bytes",), rtol=0, atol=0.5)
