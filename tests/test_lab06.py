@@ -13,6 +13,8 @@ import json
 import math
 import pathlib
 import shutil
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -243,6 +245,68 @@ def test_the_emulated_solution_is_within_the_fp32_tolerance_by_a_margin(rng):
         for case in cases:
             e = lab06._errors_of(emulate("solution", case), lab06._reference(case))
             assert e["err_O"] < lab06.TOLERANCE / 10 and e["err_L"] < lab06.TOLERANCE / 10, (case.label, e)
+
+
+class _StandInKernel:
+    """Checks the launch the way the CUDA kernel reads it, then computes the emulation into the outputs."""
+
+    def __init__(self, source: str, name: str) -> None:
+        self.source, self.name = source, name
+
+    def __call__(self, grid, block, args):
+        q, k, v, o, lse, n, m, scale, causal = args
+        assert [type(x) for x in (n, m, scale, causal)] == [np.int32, np.int32, np.float32, np.int32]
+        assert grid == (math.ceil(int(n) / lab06.THREADS), q.shape[0]) and block == (lab06.THREADS,)
+        assert all(x.dtype == np.float32 and x.flags.c_contiguous for x in (q, k, v, o, lse))
+        assert np.isnan(o).all() and np.isnan(lse).all()  # poisoned before every launch
+        prefix, d = self.name.rsplit("_d", 1)
+        assert int(d) == q.shape[2] == k.shape[2] and (q.shape[1], k.shape[1]) == (n, m)
+        variant = VARIANTS[_key(self.source)] if prefix == "attn_lab" else prefix[len("attn_"):]
+        o[...], lse[...] = emulate(variant, lab06.Case(q, k, v, bool(causal), float(scale), ""))
+
+
+class _StandInModule:
+    def __init__(self, code: str, options=()) -> None:
+        assert options == ("--std=c++17",)
+        self.code = code
+
+    def get_function(self, name: str):
+        if f"\n{name}(" not in self.code:
+            raise RuntimeError("CUDA_ERROR_NOT_FOUND: named symbol not found")
+        return _StandInKernel(self.code, name)
+
+
+@pytest.fixture
+def stand_in_cupy(monkeypatch):
+    """A CuPy whose kernels run the emulation: the GPU path's Python (compile, launch, poison, diagnose) on CPU."""
+    cupy = types.ModuleType("cupy")
+    cupy.RawModule, cupy.float32, cupy.nan = _StandInModule, np.float32, np.nan
+    cupy.asarray = lambda x, dtype=None: np.asarray(x, dtype=dtype)
+    cupy.ascontiguousarray, cupy.full, cupy.asnumpy = np.ascontiguousarray, np.full, np.array
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(lab06, "_has_gpu", lambda: True)
+    monkeypatch.setattr(get_lab("lab06").questions["q2"], "points", float(lab06.Q2_POINTS))
+    lab06._module.cache_clear()
+    yield
+    lab06._module.cache_clear()  # never leave stand-in modules in the cache
+
+
+def test_gpu_path_on_a_stand_in_cupy(stand_in_cupy):
+    kernel = kernel_of(SOLUTION)
+    assert run_question("lab06", "q1", [kernel]).score == lab06.Q1_POINTS
+    r = run_question("lab06", "q2", [kernel], time_limit=None)
+    assert r.score == lab06.Q2_POINTS, r.feedback
+    no_rescale = next(mu for mu in lab06.MUTANTS if mu.tag == "no_rescale")
+    r = run_question("lab06", "q2", [lab06.render(no_rescale.update)], time_limit=None)
+    assert r.score == 0 and no_rescale.message in r.feedback, r.feedback
+    r = run_question("lab06", "q1", [kernel.replace("attn_lab_d32(", "attn_lab_d33(")])
+    assert r.score == 0 and "missing: attn_lab_d32" in r.feedback, r.feedback
+    rng = np.random.default_rng(0)
+    Q, K, V = (rng.standard_normal(s).astype(np.float32) for s in ((130, 32), (77, 32), (77, 32)))
+    O, L = lab06.attention(kernel, Q.T.copy().T, K, V, causal=True)  # a non-contiguous Q is copied
+    assert O.shape == (130, 32) and np.isneginf(L[:53]).all() and (O[:53] == 0).all()
+    with pytest.raises(ValueError, match="d must be one of"):
+        lab06.attention(kernel, Q[:, :30], K[:, :30], V[:, :30])
 
 
 # ------------------------------------------------------------------------------------------ the pass rule
