@@ -567,6 +567,8 @@ class Demo:
     run: Callable[[Callable, tuple], Any]
     right: Callable[[tuple], Any]
     names: tuple[str, ...]
+    rtol: float = 1e-9  # what counts as "the same" (the graders' float64 tolerance; fp32 kernels need more)
+    atol: float = 1e-12
 
 
 def _result_of(state) -> tuple:
@@ -767,6 +769,7 @@ def _lab06_demo() -> Demo:
         right=lambda args: reference.attention(*(a.astype(np.float64) for a in args[:3]), causal=args[3],
                                                scale=float(np.float32(0.25))),
         names=("O", "L"),
+        rtol=1e-4, atol=1e-5,  # fp32 kernels: rounding is not a mistake (lab 06 matches outputs within 1e-4)
     )
 
 
@@ -810,10 +813,15 @@ class Row:
     label: str
     right: tuple
     wrong: tuple | BaseException
+    rtol: float = 1e-9
+    atol: float = 1e-12
     differs: bool = field(init=False)
 
     def __post_init__(self):
-        self.differs = isinstance(self.wrong, BaseException) or not allclose(self.wrong, self.right)
+        self.differs = isinstance(self.wrong, BaseException) or not self.same(self.wrong, self.right)
+
+    def same(self, a: Sequence, b: Sequence) -> bool:
+        return allclose(a, b, self.rtol, self.atol)
 
     def differs_in(self, *indices: int) -> bool:
         """Whether the outputs at ``indices`` (e.g. 0: lab 01's result u/l alone) differ, or the mistake raised."""
@@ -821,7 +829,7 @@ class Row:
             return True
         if len(self.wrong) != len(self.right):
             return True
-        return not allclose([self.wrong[i] for i in indices], [self.right[i] for i in indices])
+        return not self.same([self.wrong[i] for i in indices], [self.right[i] for i in indices])
 
 
 def demo(mistake: Mistake) -> list[Row] | None:
@@ -838,18 +846,21 @@ def demo(mistake: Mistake) -> list[Row] | None:
                 wrong: tuple | BaseException = as_outputs(spec.run(wrong_fn, args))
         except Exception as e:  # the mistake crashes on this input: that is what the reader should see
             wrong = e
-        rows.append(Row(label, right, wrong))
+        rows.append(Row(label, right, wrong, spec.rtol, spec.atol))
     return rows
 
 
 def _diff(right: np.ndarray, wrong: np.ndarray) -> str:
     if right.shape != wrong.shape:
         return f"shape {wrong.shape} instead of {right.shape}"
-    with np.errstate(all="ignore"):
-        gap = np.abs(wrong - right)
-    if np.isnan(gap).any() and not np.isnan(right).any():
+    if (np.isnan(wrong) & ~np.isnan(right)).any():
         return "nan where the answer is a number"
-    return f"max |wrong - right| = {np.nanmax(gap):.3g}"
+    if not np.array_equal(np.isinf(wrong) & (wrong > 0), np.isinf(right) & (right > 0)) or not np.array_equal(
+            np.isinf(wrong) & (wrong < 0), np.isinf(right) & (right < 0)):
+        return "inf where the answer is finite, or the other way round"
+    finite = np.isfinite(right) & np.isfinite(wrong)
+    gap = np.abs(wrong[finite] - right[finite])
+    return f"max |wrong - right| = {gap.max(initial=0.0):.3g}"
 
 
 def format_rows(rows: list[Row], names: Sequence[str]) -> str:
@@ -866,7 +877,7 @@ def format_rows(rows: list[Row], names: Sequence[str]) -> str:
             lines.append("  wrong:  the same on this input (the mistake does not show here)")
             continue
         for name, r, w in zip(names, row.right, row.wrong, strict=False):
-            if allclose((w,), (r,)):
+            if row.same((w,), (r,)):
                 lines.append(f"  {name}: right {fmt(r)} (the mistake gets this one right)")
             else:
                 lines.append(f"  {name}: right {fmt(r)}")

@@ -317,3 +317,13 @@ def test_a_list_no_question_uses_is_reported(new_lab):
     mistakes._catalogue.cache_clear()
     assert mistakes.unmapped_groups("lab98") == {"ORPHAN_MUTANTS": []}
     assert all(m.group != "ORPHAN_MUTANTS" for m in mistakes.catalogue(["lab98"]))
+
+
+def test_demo_rows_compare_with_the_demo_tolerance_and_name_infinities():
+    right = (np.array([-np.inf, 1.0]),)
+    fp32 = mistakes.Row("fp32 rounding", right, (np.array([-np.inf, 1.0 + 3e-7]),), rtol=1e-4, atol=1e-5)
+    assert not fp32.differs
+    assert mistakes.Row("float64", right, (np.array([-np.inf, 1.0 + 3e-7]),)).differs
+    assert "inf where" in mistakes._diff(right[0], np.array([0.5, 1.0]))
+    assert "nan where" in mistakes._diff(right[0], np.array([-np.inf, np.nan]))
+    assert mistakes._diff(right[0], np.array([-np.inf, 1.25])) == "max |wrong - right| = 0.25"
