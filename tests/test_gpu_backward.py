@@ -182,6 +182,26 @@ def test_dk_dv_are_deterministic_and_dq_nearly(rng):
 
 
 @pytest.mark.gpu
+def test_naive_cupy_backward_agrees_with_the_kernel(rng):
+    import cupy as cp
+
+    import flashlab.gpu as fgpu
+
+    q, k, v, do = (cp.asarray(rng.standard_normal(s).astype(np.float16))
+                   for s in ((2, 4, 130, 64), (2, 2, 70, 64), (2, 2, 70, 64), (2, 4, 130, 64)))
+    for causal in (False, True):
+        o, lse = fgpu.attention(q, k, v, causal=causal)
+        ours = fgpu.attention_backward(q, k, v, o, lse, do, causal=causal)
+        naive = gbwd.naive_attention_backward(q, k, v, do, causal=causal)
+        want = reference.attention_backward(*(x.get().astype(np.float64) for x in (q, k, v, do)), causal=causal)
+        for a, b, w in zip(ours, naive, want, strict=True):
+            assert a.shape == b.shape == w.shape
+            scale = float(np.abs(w).max())
+            assert np.abs(b.get().astype(np.float64) - w).max() <= 2e-2 * scale  # fp16 P and dS: a loose bound
+            assert np.abs(a.get().astype(np.float64) - w).max() <= 2e-2 * scale
+
+
+@pytest.mark.gpu
 def test_backward_bad_inputs_get_clear_errors():
     import cupy as cp
 

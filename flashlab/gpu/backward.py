@@ -122,3 +122,40 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: floa
     total = dq_acc.size
     dq_convert((math.ceil(total / THREADS),), (THREADS,), (dq_acc, dq, np.float32(scale), np.int64(total)))
     return dq, dk, dv
+
+
+def naive_attention_backward(q, k, v, do, *, causal: bool = False, scale: float | None = None):
+    """Standard attention's backward in CuPy, with P (and dS) materialised: the baseline of memory and speed.
+
+    What an eager framework does: it kept P (n x m per head, in the inputs' precision) from the forward, and the
+    backward builds dP and dS of the same size. float16/float32 CuPy arrays, (n, d) or (batch, heads, n, d),
+    GQA by repeating K/V heads. Returns (dq, dk, dv) in q's dtype.
+    """
+    from . import _cupy
+
+    cp = _cupy()
+    d = q.shape[-1]
+    scale = check_scale(scale, d)
+    group = q.shape[-3] // k.shape[-3] if q.ndim == 4 else 1
+    kk, vv = (cp.repeat(k, group, axis=1), cp.repeat(v, group, axis=1)) if group > 1 else (k, v)
+    s = cp.matmul(q, kk.swapaxes(-1, -2)).astype(cp.float32) * np.float32(scale)
+    n, m = q.shape[-2], k.shape[-2]
+    if causal:
+        s = cp.where(cp.arange(m)[None, :] <= cp.arange(n)[:, None] + (m - n), s, -cp.inf)
+    mx = s.max(axis=-1, keepdims=True)
+    p = cp.exp(s - cp.where(cp.isfinite(mx), mx, 0))
+    total = p.sum(axis=-1, keepdims=True)
+    p = p / cp.where(total > 0, total, 1)
+    P = p.astype(q.dtype)
+    o = cp.matmul(P, vv)
+    dv = cp.matmul(P.swapaxes(-1, -2), do)
+    dp = cp.matmul(do, vv.swapaxes(-1, -2)).astype(cp.float32)
+    Dr = (do.astype(cp.float32) * o.astype(cp.float32)).sum(axis=-1, keepdims=True)
+    ds = (p * (dp - Dr)).astype(q.dtype)
+    dq = (cp.matmul(ds, kk).astype(cp.float32) * np.float32(scale)).astype(q.dtype)
+    dk = (cp.matmul(ds.swapaxes(-1, -2), q).astype(cp.float32) * np.float32(scale)).astype(q.dtype)
+    if group > 1:
+        B, Hk = k.shape[:2]
+        dk = dk.reshape(B, Hk, group, m, d).astype(cp.float32).sum(axis=2).astype(q.dtype)
+        dv = dv.reshape(B, Hk, group, m, v.shape[-1]).astype(cp.float32).sum(axis=2).astype(q.dtype)
+    return dq, dk, dv

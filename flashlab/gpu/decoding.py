@@ -110,6 +110,15 @@ def default_num_splits(batch: int, kv_heads: int, row_chunks: int, m: int, sm_co
     return int(max(1, min(want, math.ceil(m / MIN_KEYS_PER_SPLIT), 1024)))
 
 
+def resolve_num_splits(batch: int, heads: int, kv_heads: int, n: int, m: int, num_splits: int | None,
+                       sm_count: int) -> int:
+    """The split count decode uses: ``num_splits`` if given, else ``default_num_splits`` for this launch."""
+    if num_splits is not None:
+        return int(num_splits)
+    chunks = math.ceil(heads // kv_heads * n / BLOCK_ROWS)
+    return default_num_splits(batch, kv_heads, chunks, m, sm_count)
+
+
 # ------------------------------------------------------------------------------------------------ GPU: launch
 def _kernels(dt: str, d: int):
     from . import KERNEL_DIR, _module
@@ -174,8 +183,7 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     if Hk * chunks > 65535:
         raise ValueError(f"heads_kv x ceil(group x n / {BLOCK_ROWS}) must be at most 65535; got {Hk * chunks}")
     if num_splits is None:
-        sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-        num_splits = default_num_splits(B, Hk, chunks, m, sms)
+        num_splits = resolve_num_splits(B, H, Hk, n, m, None, cp.cuda.Device().attributes["MultiProcessorCount"])
     if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
         raise TypeError(f"num_splits must be an int or None; got {num_splits!r}")
     if not 1 <= num_splits <= 65535:
