@@ -773,6 +773,51 @@ def _lab06_demo() -> Demo:
     )
 
 
+def _lab07():
+    from .grading import lab07
+
+    return lab07
+
+
+def _partials_demo() -> Demo:
+    ln2, ln6 = float(np.log(2.0)), float(np.log(6.0))
+    return Demo(
+        examples=[
+            ("the scalar example as two splits: o = (0, 1), lse = (ln 2, ln 6)",
+             (np.array([[[0.0], [1.0]]]), np.array([[ln2, ln6]]))),
+            ("lse near 1000: o = (1, 0), lse = (1000, 998)", (np.array([[[1.0], [0.0]]]), np.array([[1000.0, 998.0]]))),
+            ("a row whose splits are all empty: lse = (-inf, -inf)",
+             (np.zeros((1, 2, 1)), np.array([[-np.inf, -np.inf]]))),
+        ],
+        run=lambda fn, args: fn(*args),
+        right=lambda args: _lab07()._merge(*args),
+        names=("o", "lse"),
+    )
+
+
+def _splits_demo() -> Demo:
+    def qkv(m, seed):
+        rng = np.random.default_rng(seed)
+        return rng.standard_normal((1, 2)), rng.standard_normal((m, 2)), rng.standard_normal((m, 1))
+
+    return Demo(
+        examples=[("n = 1, m = 10 keys, d = 2, 4 splits (L = 3: the last split holds 1 key)", (*qkv(10, 9), 4)),
+                  ("n = 1, m = 5 keys, 4 splits (L = 2: the last split is empty)", (*qkv(5, 10), 4))],
+        run=lambda fn, args: fn(*args),
+        right=lambda args: _lab07()._split_truth(*args),
+        names=("o_parts", "lse_parts"),
+    )
+
+
+def _cache_bytes_demo() -> Demo:
+    return Demo(
+        examples=[("batch = 1, kv_heads = 8, m = 128000, d = 128, bf16 (2 bytes)", (1, 8, 128_000, 128, 2))],
+        run=lambda fn, args: fn(*args),
+        right=lambda args: _lab07()._bytes(*args),
+        names=("bytes",),
+    )
+
+
 #: Telling inputs, per (lab, group) — or per (lab, question) for mutants built inside a question and for the
 #: other diagnoses. A group without an entry is shown through its grader's message alone (which already shows
 #: the smallest failing input with the expected and the actual output).
@@ -793,6 +838,9 @@ DEMOS: dict[tuple[str, str], Callable[[], Demo]] = {
     ("lab05", "LAUNCH_MUTANTS"): _launch_demo,
     ("lab05", "q1"): _kernel_demo,
     ("lab06", "MUTANTS"): _lab06_demo,
+    ("lab07", "MERGE_MUTANTS"): _partials_demo,
+    ("lab07", "SPLIT_MUTANTS"): _splits_demo,
+    ("lab07", "BYTES_MUTANTS"): _cache_bytes_demo,
 }
 
 
