@@ -13,6 +13,8 @@ implementation's before timing.
   cache, whose bandwidth gives the time to read the cache once. Rows: pass "decode", with kv_bytes and GB/s.
 * ``memory``: what each way of training keeps between forward and backward (flash: o and lse; standard: o and
   P), and the extra memory of each backward, from CuPy's memory pool. Rows: pass "memory".
+* ``selfcheck``: every kernel once at small ragged shapes against float64, nothing timed or written: the run to
+  put under ``compute-sanitizer --tool memcheck`` and ``--tool racecheck``.
 
 Written to data/ch8/ (not data/benchmarks/, whose rows are forward-pass rows checked against the forward FLOP
 count by tests/test_gpu_records.py). ``--table FILE`` prints a recorded file without a GPU.
@@ -30,7 +32,7 @@ import sys
 
 import numpy as np
 
-from .. import bench
+from .. import bench, reference
 from . import KERNEL_DIR, backward, decoding
 
 OUT_DIR = bench.DATA_DIR / "ch8"
@@ -275,10 +277,65 @@ def run_memory(args, rows: list[dict]) -> None:
         pool.free_all_blocks()
 
 
+# --------------------------------------------------------------------------------------------------- selfcheck
+def selfcheck() -> int:
+    """Every chapter-8 kernel once per dtype and d at small ragged shapes, against float64: for compute-sanitizer.
+
+    ``compute-sanitizer --tool memcheck python -m flashlab.gpu.bench8 selfcheck`` (and ``--tool racecheck``).
+    Returns the number of failures (the exit status).
+    """
+    import cupy as cp
+
+    import flashlab.gpu as fgpu
+
+    rng = np.random.default_rng(3)
+    bad = 0
+    for dt in ("f16", "bf16"):
+        for d in fgpu.HEAD_DIMS:
+            for n, m, causal in ((77, 131, True), (131, 77, True), (77, 131, False)):
+                x = [rng.standard_normal(s).astype(np.float32) for s in ((1, 2, n, d), (1, 1, m, d), (1, 1, m, d),
+                                                                        (1, 2, n, d))]
+                if dt == "bf16":
+                    dev = [fgpu.to_bf16(cp.asarray(a)) for a in x]
+                    x = [fgpu.from_bf16(a).get() for a in dev]
+                else:
+                    x = [a.astype(np.float16).astype(np.float32) for a in x]
+                    dev = [cp.asarray(a.astype(np.float16)) for a in x]
+                q, k, v, do = (a.astype(np.float64) for a in x)
+                bf = dt == "bf16"
+
+                def host(a, bf=bf):
+                    return (fgpu.from_bf16(a) if bf else a.astype(cp.float32)).get().astype(np.float64)
+
+                o, lse = fgpu.attention(*dev[:3], causal=causal, bf16=bf)
+                grads = fgpu.attention_backward(*dev[:3], o, lse, dev[3], causal=causal, bf16=bf)
+                want = reference.attention_backward(q, k, v, do, causal=causal)
+                errs = [float(np.abs(host(g) - w).max() / max(1.0, np.abs(w).max()))
+                        for g, w in zip(grads, want, strict=True)]
+                tol = 3e-2 if bf else 4e-3
+                ok = max(errs) < tol
+                bad += not ok
+                print(f"backward {dt:<4} d={d:<4} n={n:<4} m={m:<4} causal={causal!s:<5} rel errors "
+                      f"{', '.join(f'{e:.1e}' for e in errs)} {'ok' if ok else 'FAIL'}", flush=True)
+                qd = dev[0][:, :, :3].copy()  # three new tokens
+                for splits in (1, 3):
+                    od, ld = fgpu.decode(qd, dev[1], dev[2], num_splits=splits, lengths=[m - 5], causal=causal,
+                                         bf16=bf)
+                    O, _ = reference.attention(q[:, :, :3], k[:, :, : m - 5], v[:, :, : m - 5], causal=causal)
+                    err = float(np.abs(host(od) - O).max())
+                    ok = err < (3e-2 if bf else 4e-3)
+                    bad += not ok
+                    print(f"decode   {dt:<4} d={d:<4} m={m:<4} splits={splits} causal={causal!s:<5} "
+                          f"max error {err:.1e} {'ok' if ok else 'FAIL'}", flush=True)
+    cp.cuda.Device().synchronize()
+    print("selfcheck:", "all ok" if not bad else f"{bad} FAILED")
+    return bad
+
+
 # -------------------------------------------------------------------------------------------------------- main
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m flashlab.gpu.bench8", description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=("bwd", "decode", "memory"))
+    p.add_argument("what", choices=("bwd", "decode", "memory", "selfcheck"))
     p.add_argument("--name", default=None, help="output file data/ch8/NAME.json (default: the benchmark's name)")
     p.add_argument("--impls", nargs="+", default=["sdpa_flash", "ours", "sdpa_cudnn", "cupy_naive"],
                    help="bwd: ours, sdpa_flash, sdpa_cudnn, cupy_naive (differences against the first)")
@@ -332,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prov['gpu']}, {prov['date_utc']}, `{prov['command']}`\n")
         print(format_rows(data["rows"]))
         return 0
+    if args.what == "selfcheck":
+        return 1 if selfcheck() else 0
     if args.repeat < 20:
         raise SystemExit("--repeat must be at least 20 (CONVENTIONS: medians of >= 20 runs)")
     try:
