@@ -278,11 +278,11 @@ def run_memory(args, rows: list[dict]) -> None:
 
 
 # --------------------------------------------------------------------------------------------------- selfcheck
-def selfcheck() -> int:
+def selfcheck(quick: bool = False) -> int:
     """Every chapter-8 kernel once per dtype and d at small ragged shapes, against float64: for compute-sanitizer.
 
     ``compute-sanitizer --tool memcheck python -m flashlab.gpu.bench8 selfcheck`` (and ``--tool racecheck``).
-    Returns the number of failures (the exit status).
+    ``quick``: one shape instead of three. Returns the number of failures.
     """
     import cupy as cp
 
@@ -292,7 +292,8 @@ def selfcheck() -> int:
     bad = 0
     for dt in ("f16", "bf16"):
         for d in fgpu.HEAD_DIMS:
-            for n, m, causal in ((77, 131, True), (131, 77, True), (77, 131, False)):
+            shapes = ((77, 131, True), (131, 77, True), (77, 131, False))
+            for n, m, causal in shapes[:1] if quick else shapes:
                 x = [rng.standard_normal(s).astype(np.float32) for s in ((1, 2, n, d), (1, 1, m, d), (1, 1, m, d),
                                                                         (1, 2, n, d))]
                 if dt == "bf16":
