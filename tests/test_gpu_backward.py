@@ -230,6 +230,29 @@ def test_naive_cupy_backward_agrees_with_the_kernel(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_autograd_function_gradients_match_float64_like_sdpa(dtype_name):
+    torch = pytest.importorskip("torch")  # the GPU machine has it; the function is only for PyTorch users
+    from flashlab.gpu.autograd import flash_attention
+
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    # causal only with n == m: torch's is_causal aligns the mask top-left, the course's bottom-right (j <= i + m - n)
+    for (n, m), causal in (((100, 150), False), ((130, 130), True)):
+        q = torch.randn(2, 4, n, 64, device="cuda", dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(2, 2, m, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+        do = torch.randn(2, 4, n, 64, device="cuda", dtype=dtype)
+        ours = torch.autograd.grad(flash_attention(q, k, v, causal), (q, k, v), do)
+        sdpa = torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, enable_gqa=True), (q, k, v), do)
+        want = reference.attention_backward(*(x.detach().double().cpu().numpy() for x in (q, k, v, do)), causal=causal)
+        for name, a, b, w in zip(("dq", "dk", "dv"), ours, sdpa, want, strict=True):
+            err = np.abs(a.double().cpu().numpy() - w).max()
+            err_sdpa = np.abs(b.double().cpu().numpy() - w).max()
+            assert err <= 2 * err_sdpa + 1e-5 * np.abs(w).max(), (dtype_name, causal, name, err, err_sdpa)
+
+
+@pytest.mark.gpu
 def test_backward_bad_inputs_get_clear_errors():
     import cupy as cp
 
