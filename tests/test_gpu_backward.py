@@ -182,6 +182,7 @@ def test_backward_exact_tiles_long_rows_and_gqa(rng, dt):
         _check_backward(rng, dt, 1, 2, 2, 256, 256, d, True)
         _check_backward(rng, dt, 1, 4, 1, 96, 640, d, False)  # MQA: four query heads on one K/V head
         _check_backward(rng, dt, 2, 6, 2, 129, 97, d, True)
+    _check_backward(rng, dt, 1, 2, 1, 1000, 1000, 128, True)  # long rows: 32 key blocks, 32 query tiles each
 
 
 @pytest.mark.gpu

@@ -220,6 +220,7 @@ def test_many_rows_per_group_span_several_row_chunks(rng, dt):
     # group 8 x 9 tokens = 72 rows: three blocks of 32 rows per K/V head, the last one partial
     _check_decode(rng, dt, 1, 16, 2, 9, 517, 128, True, 5, [517])
     _check_decode(rng, dt, 2, 8, 1, 5, 300, 64, False, 3, [300, 123])
+    _check_decode(rng, dt, 1, 16, 4, 16, 2000, 128, True, None, [1999])  # 64 rows per group, default splits
 
 
 @pytest.mark.gpu
