@@ -94,6 +94,14 @@ def test_kernel_file_compiles_without_spills(arch):
                 assert k["spill_store_bytes"] == k["spill_load_bytes"] == 0, (file, k)
 
 
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the host emulation of the kernels needs g++")
+def test_host_emulation_runs_the_gpu_proven_tensor_core_forward():
+    """Rung 9 (mma.sync, ldmatrix, cp.async; correct on an H200) under the emulation: checks the emulation itself."""
+    res = subprocess.run([sys.executable, "-m", "flashlab.gpu.hostemu", "--forward-check"],
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0 and "forward check: all ok" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+
+
 # ----------------------------------------------------------------------------------------------------- helpers
 def _tga():
     import test_gpu_attention as tga  # the forward's test helpers: rounding, transfers, error

@@ -1,19 +1,20 @@
-"""Run chapter 8's CUDA kernels on a CPU: a host emulation for checking kernels where no GPU is at hand.
+"""Run the course's CUDA kernels on a CPU: a host emulation for checking kernels where no GPU is at hand.
 
-``python -m flashlab.gpu.hostemu [pytest arguments]`` runs the GPU-marked tests (default: the backward and
-decoding tests) with the kernels compiled by the host C++ compiler instead of NVRTC, behind a NumPy stand-in for
-CuPy. ``python -m flashlab.gpu.hostemu --selfcheck [--quick]`` runs ``bench8 selfcheck`` the same way.
+``python -m flashlab.gpu.hostemu [--real-forward] [pytest arguments]`` runs the GPU-marked tests (default: the
+backward and decoding tests) with the kernels compiled by the host C++ compiler instead of NVRTC, behind a NumPy
+stand-in for CuPy. ``--selfcheck [--quick]`` runs ``bench8 selfcheck`` the same way; ``--forward-check`` runs
+the forward ladder's rung 9 (proven on an H200) against float64, which checks the emulation itself.
 
-How: each ``.cu`` is compiled with g++ (C++20) after a small header maps CUDA to the host. A thread block runs as
-one OS thread per CUDA thread, blocks one after another; ``__syncthreads`` is a block-wide ``std::barrier``,
-``__shfl_xor_sync`` goes through a per-warp buffer and barrier, ``atomicAdd`` takes a lock, ``__shared__`` arrays
-are function statics (shared by the block's threads); the inline-PTX fp16/bf16 conversions are replaced by host
-code (``_Float16``; bf16 round to nearest even). Threads really run concurrently and lanes are not in lock step,
-so a missing barrier tends to show as a wrong result, but this is no race detector (use compute-sanitizer on a
-GPU), says nothing about speed, and supports only what the chapter-8 kernels use (not mma/ldmatrix/cp.async: the
-forward's tensor-core kernels cannot run here, so ``flashlab.gpu.attention`` is replaced by the float64
-reference, rounded to the input type). It found no bug in the first versions of ``bwd_r1_smem.cu`` and
-``decode_r1_split.cu`` but catches deliberate ones (a dropped ``- D`` term, unweighted merges).
+How: each ``.cu`` is compiled with g++ (C++20) after a header maps CUDA to the host. A thread block runs as one OS
+thread per CUDA thread, blocks one after another; ``__syncthreads`` is a block-wide ``std::barrier``; warp-level
+operations (``__shfl_xor_sync``, ``__any_sync``, ``ldmatrix`` x4 and x4.trans, ``mma.sync`` m16n8k16 with fp16 or
+bf16 inputs and fp32 accumulators) exchange values through per-warp buffers between two warp barriers;
+``cp.async`` copies at once; ``atomicAdd`` takes a lock; ``__shared__`` arrays are function statics and dynamic
+shared memory one arena. Device helpers written in inline PTX (conversions, ``ex2``, ldmatrix, cp.async, mma) are
+replaced by host versions of the same name; other inline PTX is refused with an error. Threads really run
+concurrently and lanes are not in lock step, so a missing barrier tends to show as a wrong result, but this is no
+race detector (use compute-sanitizer on a GPU) and says nothing about speed. By default the forward that the
+backward tests need is the float64 reference (fast); ``--real-forward`` emulates the forward kernel too.
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ import time
 import types
 
 import numpy as np
-
-from . import KERNEL_DIR, backward, decoding
 
 HEADER = r"""
 #include <algorithm>
@@ -89,6 +88,76 @@ inline std::uint16_t bf16_bits(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
     return (std::uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+// --- warp-level PTX of the tensor-core kernels: ldmatrix, mma.sync m16n8k16, cp.async, vote
+alignas(16) inline unsigned char g_arena[232448];  // dynamic shared memory ("extern __shared__")
+inline unsigned g_xa[32][32][4], g_xb[32][32][2];
+inline void warp_sync() { g_warp_bar[threadIdx.x / 32]->arrive_and_wait(); }
+inline bool __any_sync(unsigned, bool p) {
+    const int w = threadIdx.x / 32, l = threadIdx.x % 32;
+    g_xa[w][l][0] = p;
+    warp_sync();
+    bool any = false;
+    for (int i = 0; i < 32; ++i) any |= g_xa[w][i][0] != 0;
+    warp_sync();
+    return any;
+}
+inline float __log2f(float x) { return std::log2(x); }
+inline float ex2(float x) { return std::exp2(x); }
+inline unsigned smem_addr(const void* p) { return (unsigned)((const unsigned char*)p - g_arena); }
+// lanes 8j..8j+7 give the row addresses of 8x8 block j; lane l gets row l/4, columns 2(l%4), +1 of each block
+inline void ldsm_x4(unsigned* r, unsigned addr) {
+    const int w = threadIdx.x / 32, l = threadIdx.x % 32;
+    g_xa[w][l][0] = addr;
+    warp_sync();
+    for (int j = 0; j < 4; ++j) std::memcpy(&r[j], g_arena + g_xa[w][8 * j + l / 4][0] + 4 * (l % 4), 4);
+    warp_sync();
+}
+// transposed: lane l gets rows 2(l%4), +1 at column l/4
+inline void ldsm_x4_t(unsigned* r, unsigned addr) {
+    const int w = threadIdx.x / 32, l = threadIdx.x % 32;
+    g_xa[w][l][0] = addr;
+    warp_sync();
+    for (int j = 0; j < 4; ++j) {
+        std::uint16_t lo, hi;
+        std::memcpy(&lo, g_arena + g_xa[w][8 * j + 2 * (l % 4)][0] + 2 * (l / 4), 2);
+        std::memcpy(&hi, g_arena + g_xa[w][8 * j + 2 * (l % 4) + 1][0] + 2 * (l / 4), 2);
+        r[j] = lo | ((unsigned)hi << 16);
+    }
+    warp_sync();
+}
+inline void cp_async16(unsigned dst, const void* src, bool valid) {  // synchronous here: a copy, or 16 zeros
+    if (valid) std::memcpy(g_arena + dst, src, 16); else std::memset(g_arena + dst, 0, 16);
+}
+inline void cp_async_commit() {}
+template <int N>
+inline void cp_async_wait() {}
+// D = A B + C for one warp: A 16x16 (a0: row g, k 2t..2t+1; a1: row g+8; a2: k + 8; a3: both), B 16x8 (b0: k 2t..2t+1,
+// column g; b1: k + 8), C/D 16x8 (c0, c1: row g, columns 2t, 2t+1; c2, c3: row g + 8), g = lane / 4, t = lane % 4.
+template <float (*CV)(std::uint16_t)>
+inline void mma_emul(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    const int w = threadIdx.x / 32, l = threadIdx.x % 32, g = l / 4, t = l % 4;
+    for (int i = 0; i < 4; ++i) g_xa[w][l][i] = a[i];
+    g_xb[w][l][0] = b0;
+    g_xb[w][l][1] = b1;
+    warp_sync();
+    auto half = [](unsigned x, int k) { return (std::uint16_t)(k % 2 ? x >> 16 : x & 0xffffu); };
+    auto A = [&](int row, int k) {
+        const unsigned x = g_xa[w][4 * (row % 8) + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)];
+        return CV(half(x, k));
+    };
+    auto B = [&](int k, int col) { return CV(half(g_xb[w][4 * col + (k % 8) / 2][k >= 8], k)); };
+    float out[4];
+    for (int e = 0; e < 4; ++e) {
+        const int row = g + 8 * (e / 2), col = 2 * t + e % 2;
+        float x = c[e];
+        for (int k = 0; k < 16; ++k) x += A(row, k) * B(k, col);
+        out[e] = x;
+    }
+    warp_sync();
+    for (int e = 0; e < 4; ++e) c[e] = out[e];
+}
+inline float bf16_val(std::uint16_t x) { return __uint_as_float((unsigned)x << 16); }
+
 template <class... A, std::size_t... I>
 void call_unpacked(void (*k)(A...), void** args, std::index_sequence<I...>) {
     k(*(std::remove_cv_t<std::remove_reference_t<A>>*)args[I]...);
@@ -116,51 +185,89 @@ void launch(void (*k)(A...), unsigned gx, unsigned gy, unsigned gz, unsigned bx,
 }
 """
 
-HOST_TYPES = """struct F16 {
+HOST_TYPES = {
+    "F16": """struct F16 {
     static inline float load(u16 x) { return f16_val(x); }
     static inline u16 store(float f) { return f16_bits(f); }
-};
-struct BF16 {
-    static inline float load(u16 x) { return __uint_as_float((u32)x << 16); }
+    static inline u32 pack(float lo, float hi) { return f16_bits(lo) | ((u32)f16_bits(hi) << 16); }
+    static inline void mma(float* c, const u32* a, u32 b0, u32 b1) { mma_emul<f16_val>(c, a, b0, b1); }
+};""",
+    "BF16": """struct BF16 {
+    static inline float load(u16 x) { return bf16_val(x); }
     static inline u16 store(float f) { return bf16_bits(f); }
-};
-"""
+    static inline u32 pack(float lo, float hi) { return bf16_bits(lo) | ((u32)bf16_bits(hi) << 16); }
+    static inline void mma(float* c, const u32* a, u32 b0, u32 b1) { mma_emul<bf16_val>(c, a, b0, b1); }
+};""",
+}
+# Device helpers whose bodies are inline PTX: removed, the header's host versions (same names) stand in.
+PTX_HELPERS = ("ex2", "smem_addr", "ldsm_x4", "ldsm_x4_t", "cp_async16", "cp_async_commit", "cp_async_wait")
+ASM_REWRITES = [
+    (r'asm volatile\("mov\.u32 %0, %1;" : "=r"\((\w+)\) : "r"\((\w+)\)\);', r"\1 = \2;"),
+    (r'asm volatile\("mov\.u32 %0, %%ctaid\.([xyz]);" : "=r"\((\w+)\)\);', r"\2 = blockIdx.\1;"),
+    (r"extern __shared__ __align__\(16\) u16 smem\[\];", "u16* smem = (u16*)g_arena;"),
+]
 
-FILES = backward.KERNEL_FILES + decoding.KERNEL_FILES
 
+def _definition_span(src: str, start: int) -> tuple[int, int]:
+    """[start, end) of the definition beginning at ``start``: through its matching closing brace (and a ';')."""
+    i = src.index("{", start)
+    depth = 0
+    while True:
+        if src[i] == "{":
+            depth += 1
+        elif src[i] == "}":
+            depth -= 1
+            if depth == 0:
+                end = i + 1
+                return start, end + 1 if src[end:end + 1] == ";" else end
+        i += 1
 
 def host_source(cu_text: str) -> str:
     """The .cu text made host C++: PTX conversion structs replaced, a launcher exported per ``extern "C"`` kernel."""
-    a = cu_text.index("struct F16 {")
-    b = cu_text.index("__device__ __forceinline__ float warp_")
-    src = cu_text[:a] + HOST_TYPES + cu_text[b:]
+    src = cu_text
+    for name, host in HOST_TYPES.items():
+        a, b = _definition_span(src, src.index(f"struct {name} {{"))
+        src = src[:a] + host + src[b:]
+    for name in PTX_HELPERS:
+        m = re.search(rf"__device__ __forceinline__ \w+ {name}\(", src)
+        if m:
+            a, b = _definition_span(src, m.start())
+            if src[:a].rstrip().endswith("template <int N>"):  # keep no template shell around a removed body
+                a = src[:a].rstrip().rindex("template <int N>")
+            src = src[:a] + src[b:]
+    for pattern, repl in ASM_REWRITES:
+        src = re.sub(pattern, repl, src)
+    if "asm" in re.sub(r"//.*", "", src):
+        raise ValueError("inline PTX the host emulation does not know is left in this kernel file")
     names = []
     for macro in re.finditer(r"DEFINE_KERNELS\((\w+), \w+, (\d+)\)", src):
         dt, d = macro.groups()
         body = src[src.index("#define DEFINE_KERNELS"):src.index("\nDEFINE_KERNELS(")]
         names += [f"{stem}_{dt}_d{d}" for stem in re.findall(r"(\w+)_##DT##_d##D\(", body)]
     names += re.findall(r'extern "C" __global__ void __launch_bounds__\(\w+\) (\w+)\(', src)
+    names += re.findall(r"^DEFINE_KERNEL\((\w+), \w+, \d+\)", src, flags=re.M)
+    names = [n for n in dict.fromkeys(names) if not n.isupper()]  # not a macro's parameter (NAME)
     exports = "\n".join(f'extern "C" void launch_{n}(unsigned gx, unsigned gy, unsigned gz, unsigned bx, void** a) '
                         f"{{ launch({n}, gx, gy, gz, bx, a); }}" for n in names)
     return HEADER + src + "\n" + exports + "\n"
 
 
 @functools.lru_cache(maxsize=None)
-def library(file: str) -> ctypes.CDLL:
-    """Compile one kernel file for the host (cached by source hash in the temp directory) and load it."""
+def library(code: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Compile one kernel file's text for the host (cached by hash in the temp directory) and load it."""
     gxx = shutil.which("g++")
     if gxx is None:
         raise RuntimeError("the host emulation needs g++ (C++20, with <barrier>)")
-    src = host_source((KERNEL_DIR / file).read_text())
-    tag = hashlib.sha256(src.encode()).hexdigest()[:16]
-    out = pathlib.Path(tempfile.gettempdir()) / f"flashlab_hostemu_{pathlib.Path(file).stem}_{tag}.so"
+    src = host_source(code)
+    tag = hashlib.sha256((src + repr(defines)).encode()).hexdigest()[:16]
+    out = pathlib.Path(tempfile.gettempdir()) / f"flashlab_hostemu_{tag}.so"
     if not out.exists():
         cpp = out.with_suffix(".cpp")
         cpp.write_text(src)
-        res = subprocess.run([gxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-o", str(out), str(cpp)],
-                             capture_output=True, text=True)
+        res = subprocess.run([gxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", *defines, "-o", str(out),
+                              str(cpp)], capture_output=True, text=True)
         if res.returncode:
-            raise RuntimeError(f"g++ failed on {file}:\n{res.stderr[-4000:]}")
+            raise RuntimeError(f"g++ failed:\n{res.stderr[-4000:]}")
     return ctypes.CDLL(str(out))
 
 
@@ -181,14 +288,9 @@ def _wrap(x):
 
 
 class _Kernel:
-    def __init__(self, name: str):
-        for file in FILES:
-            try:
-                self.fn = getattr(library(file), "launch_" + name)
-                return
-            except AttributeError:
-                continue
-        raise AttributeError(f"no kernel {name!r} in {FILES}")
+    def __init__(self, lib: ctypes.CDLL, name: str):
+        self.fn = getattr(lib, "launch_" + name)
+        self.max_dynamic_shared_size_bytes = 0
 
     def __call__(self, grid, block, args, shared_mem=0):
         grid = tuple(grid) + (1,) * (3 - len(grid))
@@ -211,11 +313,11 @@ class _Kernel:
 
 
 class _RawModule:
-    def __init__(self, code=None, options=()):
-        pass
+    def __init__(self, code: str, options=()):
+        self.lib = library(code, tuple(o for o in options if o.startswith("-D")))
 
     def get_function(self, name):
-        return _Kernel(name)
+        return _Kernel(self.lib, name)
 
 
 class _Event:
@@ -284,13 +386,15 @@ def fake_cupy() -> types.ModuleType:
     return mod
 
 
-def install() -> None:
-    """Make ``import cupy`` give the stand-in, and the forward the float64 reference (its kernels need PTX)."""
+def install(real_forward: bool = False) -> None:
+    """Make ``import cupy`` give the stand-in; unless ``real_forward``, the forward is the float64 reference."""
     import flashlab.gpu as fgpu
     from flashlab import reference
 
     cp = fake_cupy()
     sys.modules["cupy"] = cp
+    if real_forward:
+        return
 
     def attention(q, k, v, *, causal=False, scale=None, bf16=False, **_):
         f = fgpu.from_bf16 if bf16 else (lambda x: x.astype(np.float32))
@@ -301,10 +405,42 @@ def install() -> None:
     fgpu.attention = attention
 
 
+def forward_check() -> int:
+    """Rung 9 of the forward ladder (tensor cores; correct on an H200) under the emulation, against float64."""
+    import flashlab.gpu as fgpu
+    from flashlab import reference
+
+    cp = sys.modules["cupy"]
+    rng = np.random.default_rng(0)
+    bad = 0
+    for dt in ("f16", "bf16"):
+        for d in fgpu.HEAD_DIMS:
+            n, m, causal = (131, 77, True) if d == 64 else (77, 131, False)
+            x = [rng.standard_normal(s).astype(np.float32) for s in ((1, 2, n, d), (1, 1, m, d), (1, 1, m, d))]
+            dev = [fgpu.to_bf16(cp.asarray(a)) if dt == "bf16" else cp.asarray(a.astype(np.float16)) for a in x]
+            host = [(fgpu.from_bf16(a) if dt == "bf16" else a.astype(np.float32)).get().astype(np.float64)
+                    for a in dev]
+            o, lse = fgpu.attention(*dev, causal=causal, kernel="addressing", bf16=dt == "bf16")
+            O, L = reference.attention(*host, causal=causal)
+            err = float(np.abs((fgpu.from_bf16(o) if dt == "bf16" else o.astype(np.float32)).get() - O).max())
+            fin = np.isfinite(L)
+            lerr = float(np.abs(lse.get()[fin] - L[fin]).max())
+            ok = err < (2e-2 if dt == "bf16" else 3e-3) and lerr < 1e-4 and (np.isneginf(lse.get()) == ~fin).all()
+            bad += not ok
+            print(f"addressing {dt:<4} d={d:<4} n={n} m={m} causal={causal!s:<5} max error o {err:.1e}, "
+                  f"lse {lerr:.1e} {'ok' if ok else 'FAIL'}", flush=True)
+    print("forward check:", "all ok" if not bad else f"{bad} FAILED")
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Install the emulation, then run pytest -m gpu on the chapter-8 tests (or ``--selfcheck``)."""
+    """Install the emulation, then run pytest -m gpu on the chapter-8 tests (or a check; see the docstring)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    install()
+    real = "--real-forward" in argv or "--forward-check" in argv
+    argv = [a for a in argv if a != "--real-forward"]
+    install(real_forward=real)
+    if argv[:1] == ["--forward-check"]:
+        return forward_check()
     if argv[:1] == ["--selfcheck"]:
         from . import bench8
 
