@@ -53,10 +53,13 @@ def test_kernel_file_has_every_entry_point():
     from flashlab.gpu import KERNEL_DIR
 
     text = (KERNEL_DIR / gbwd.KERNEL_FILE).read_text()
+    mma = (KERNEL_DIR / gbwd.MMA_FILE).read_text()
+    assert "bwd_mma_##DT##_d##D(" in mma
     for dt in ("f16", "bf16"):
         assert f"bwd_dq_{dt}(" in text
         for d in (64, 128):
             assert f"DEFINE_KERNELS({dt}, {dt.upper()}, {d})" in text
+            assert f"DEFINE_KERNELS({dt}, {dt.upper()}, {d})" in mma
 
 
 def test_backward_imports_without_cupy_and_says_so_when_called(monkeypatch):
@@ -137,7 +140,7 @@ def _naive_backward_same_precision(q, k, v, do, causal, scale, dt):
     return R(dQ, dt), R(dK, dt), R(dV, dt)
 
 
-def _check_backward(rng, dt, B, H, Hk, n, m, d, causal, *, scale=None, magnitude=1.0):
+def _check_backward(rng, dt, B, H, Hk, n, m, d, causal, *, scale=None, magnitude=1.0, kernel="smem"):
     import cupy as cp
 
     import flashlab.gpu as fgpu
@@ -155,10 +158,10 @@ def _check_backward(rng, dt, B, H, Hk, n, m, d, causal, *, scale=None, magnitude
     qg, kg, vg, dog = (tga._to_gpu(x, dt) for x in (q, k, v, do))
     bf = dt == "bf16"
     o, lse = fgpu.attention(qg, kg, vg, causal=causal, scale=scale, bf16=bf)
-    got = fgpu.attention_backward(qg, kg, vg, o, lse, dog, causal=causal, scale=scale, bf16=bf)
+    got = fgpu.attention_backward(qg, kg, vg, o, lse, dog, causal=causal, scale=scale, bf16=bf, kernel=kernel)
     cp.cuda.Device().synchronize()
     got = [tga._from_gpu(x, dt) for x in got]
-    what = f"{dt} B={B} H={H} Hk={Hk} n={n} m={m} d={d} causal={causal} magnitude={magnitude}"
+    what = f"{kernel} {dt} B={B} H={H} Hk={Hk} n={n} m={m} d={d} causal={causal} magnitude={magnitude}"
     for name, g, w, nv in zip(("dq", "dk", "dv"), got, want, naive, strict=True):
         assert g.shape == w.shape, (name, g.shape, w.shape)
         assert np.isfinite(g).all(), f"nan/inf in {name}: {what}"
@@ -169,49 +172,54 @@ def _check_backward(rng, dt, B, H, Hk, n, m, d, causal, *, scale=None, magnitude
 
 # ------------------------------------------------------------------------------------------------- GPU checks
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", gbwd.KERNELS)
 @pytest.mark.parametrize("dt", ["f16", "bf16"])
-def test_backward_matches_reference_on_random_shapes(rng, dt):
+def test_backward_matches_reference_on_random_shapes(rng, dt, kernel):
     for trial in range(8):
         d = int(rng.choice([64, 128]))
         n, m = (int(rng.choice([1, int(rng.choice(PRIMES)), int(rng.integers(1, 32)), int(rng.integers(1, 300))]))
                 for _ in range(2))
         causal = bool(trial % 2)
         if trial % 4 == 3:
-            _check_backward(rng, dt, 0, 0, 0, n, m, d, causal)  # 2-D (n, d) inputs
+            _check_backward(rng, dt, 0, 0, 0, n, m, d, causal, kernel=kernel)  # 2-D (n, d) inputs
         else:
             Hk = int(rng.integers(1, 3))
-            _check_backward(rng, dt, int(rng.integers(1, 3)), Hk * int(rng.integers(1, 4)), Hk, n, m, d, causal)
+            _check_backward(rng, dt, int(rng.integers(1, 3)), Hk * int(rng.integers(1, 4)), Hk, n, m, d, causal,
+                            kernel=kernel)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", gbwd.KERNELS)
 @pytest.mark.parametrize("dt", ["f16", "bf16"])
-def test_backward_exact_tiles_long_rows_and_gqa(rng, dt):
+def test_backward_exact_tiles_long_rows_and_gqa(rng, dt, kernel):
     for d in (64, 128):
-        _check_backward(rng, dt, 1, 2, 2, 256, 256, d, True)
-        _check_backward(rng, dt, 1, 4, 1, 96, 640, d, False)  # MQA: four query heads on one K/V head
-        _check_backward(rng, dt, 2, 6, 2, 129, 97, d, True)
-    _check_backward(rng, dt, 1, 2, 1, 1000, 1000, 128, True)  # long rows: 32 key blocks, 32 query tiles each
+        _check_backward(rng, dt, 1, 2, 2, 256, 256, d, True, kernel=kernel)
+        _check_backward(rng, dt, 1, 4, 1, 96, 640, d, False, kernel=kernel)  # MQA: 4 query heads, 1 K/V head
+        _check_backward(rng, dt, 2, 6, 2, 129, 97, d, True, kernel=kernel)
+    _check_backward(rng, dt, 1, 2, 1, 1000, 1000, 128, True, kernel=kernel)  # long rows, many tiles
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", gbwd.KERNELS)
 @pytest.mark.parametrize("dt", ["f16", "bf16"])
-def test_backward_fully_masked_rows_and_huge_logits(rng, dt):
+def test_backward_fully_masked_rows_and_huge_logits(rng, dt, kernel):
     n, m = 150, 37  # causal with n > m: the first n - m rows see no key and get zero gradients
-    dq, _, _ = _check_backward(rng, dt, 1, 2, 1, n, m, 64, True)
+    dq, _, _ = _check_backward(rng, dt, 1, 2, 1, n, m, 64, True, kernel=kernel)
     assert (dq[..., : n - m, :] == 0).all()
-    _check_backward(rng, dt, 1, 1, 1, 70, 90, 128, True, scale=1.0, magnitude=1000.0 / np.sqrt(128))
+    _check_backward(rng, dt, 1, 1, 1, 70, 90, 128, True, scale=1.0, magnitude=1000.0 / np.sqrt(128), kernel=kernel)
 
 
 @pytest.mark.gpu
-def test_dk_dv_are_deterministic_and_dq_nearly(rng):
+@pytest.mark.parametrize("kernel", gbwd.KERNELS)
+def test_dk_dv_are_deterministic_and_dq_nearly(rng, kernel):
     import cupy as cp
 
     import flashlab.gpu as fgpu
 
     q, k, v, do = (cp.asarray(rng.standard_normal((1, 4, 300, 64)).astype(np.float16)) for _ in range(4))
     o, lse = fgpu.attention(q, k, v)
-    a = fgpu.attention_backward(q, k, v, o, lse, do)
-    b = fgpu.attention_backward(q, k, v, o, lse, do)
+    a = fgpu.attention_backward(q, k, v, o, lse, do, kernel=kernel)
+    b = fgpu.attention_backward(q, k, v, o, lse, do, kernel=kernel)
     np.testing.assert_array_equal(a[1].get(), b[1].get())  # dK, dV: one block owns each key, fixed order
     np.testing.assert_array_equal(a[2].get(), b[2].get())
     # dQ: fp32 atomics in any order, then one rounding to fp16: at most one fp16 step apart
@@ -279,3 +287,5 @@ def test_backward_bad_inputs_get_clear_errors():
         fgpu.attention_backward(x, x, x, x.get(), lse, x)
     with pytest.raises(TypeError, match="causal"):
         fgpu.attention_backward(x, x, x, x, lse, x, causal=1)
+    with pytest.raises(ValueError, match="kernel"):
+        fgpu.attention_backward(x, x, x, x, lse, x, kernel="wgmma")

@@ -19,11 +19,20 @@ import numpy as np
 
 from .._checks import causal_offset, check_scale
 
-KERNEL_FILE = "bwd_r1_smem.cu"
-KERNEL_FILES = (KERNEL_FILE,)
-BLOCK_KEYS = 32  # keys per thread block (BC in the .cu)
-BLOCK_ROWS = 32  # query rows per tile (BR in the .cu)
+KERNEL_FILE = "bwd_r1_smem.cu"  # kernels 1 and 3, and the scalar main kernel
+MMA_FILE = "bwd_r2_mma.cu"  # the main kernel on tensor cores
+KERNEL_FILES = (KERNEL_FILE, MMA_FILE)
+BLOCK_KEYS = 32  # keys per thread block (BC in bwd_r1_smem.cu)
+BLOCK_ROWS = 32  # query rows per tile (BR in both files)
 THREADS = 256
+MMA_BLOCK_KEYS, MMA_THREADS = 64, 128  # bwd_r2_mma.cu: BC, 32 * NWARPS
+KERNELS = ("smem", "mma")
+
+
+def mma_shared_bytes(d: int) -> int:
+    """Dynamic shared memory of bwd_r2_mma.cu: K, V, Q, dO tiles (rows padded to d + 8), dS^T, L and D."""
+    tiles = (2 * MMA_BLOCK_KEYS + 2 * BLOCK_ROWS) * (d + 8) * 2
+    return tiles + MMA_BLOCK_KEYS * (BLOCK_ROWS + 8) * 2 + 2 * BLOCK_ROWS * 4
 
 
 def numpy_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: float | None = None):
@@ -63,16 +72,21 @@ def numpy_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: float | 
     return dq, dk, dv
 
 
-def _kernels(dt: str, d: int):
-    from . import KERNEL_DIR, _module
+def _kernels(dt: str, d: int, kernel: str):
+    from . import KERNEL_DIR, STATIC_SMEM_LIMIT, _module
 
     mod = _module(KERNEL_FILE, (KERNEL_DIR / KERNEL_FILE).read_text(), ())
-    return (mod.get_function(f"bwd_dot_{dt}_d{d}"), mod.get_function(f"bwd_main_{dt}_d{d}"),
-            mod.get_function(f"bwd_dq_{dt}"))
+    if kernel == "mma":
+        main = _module(MMA_FILE, (KERNEL_DIR / MMA_FILE).read_text(), ()).get_function(f"bwd_mma_{dt}_d{d}")
+        if mma_shared_bytes(d) > STATIC_SMEM_LIMIT:
+            main.max_dynamic_shared_size_bytes = mma_shared_bytes(d)
+    else:
+        main = mod.get_function(f"bwd_main_{dt}_d{d}")
+    return mod.get_function(f"bwd_dot_{dt}_d{d}"), main, mod.get_function(f"bwd_dq_{dt}")
 
 
 def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: float | None = None,
-                       bf16: bool = False):
+                       bf16: bool = False, kernel: str = "smem"):
     """Gradients ``(dq, dk, dv)`` of attention on the GPU, recomputing P from the saved logsumexp.
 
     q, k, v as for ``flashlab.gpu.attention`` (float16, or bfloat16 bits in uint16 with ``bf16=True``; d 64 or
@@ -81,12 +95,16 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: floa
     dtype). ``causal`` and ``scale`` must be the forward's. Returns arrays of q's, k's and v's shapes and dtype;
     with grouped-query attention dk and dv are summed over the query heads that share a K/V head.
     Accumulation is fp32; dq is summed with fp32 atomics, so its last bits vary from run to run.
+    ``kernel``: "smem" (scalar fp32 FMAs, the first version; P and dS stay fp32) or "mma" (tensor cores; P and dS
+    are rounded to 16 bits before their products, as in FlashAttention-2).
     """
     from . import _check_inputs, _cupy, compute_capability
 
     cp = _cupy()
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be True or False; got {causal!r}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
     dt = _check_inputs(q, k, v, bf16)
     if dt == "f32":
         raise TypeError("attention_backward takes float16 or (with bf16=True) bfloat16 bits in uint16; got float32")
@@ -110,15 +128,18 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: floa
 
     B, H, n = (1, 1, q.shape[0]) if q.ndim == 2 else q.shape[:3]
     Hk, m = (1, k.shape[0]) if k.ndim == 2 else k.shape[1:3]
-    dot, main, dq_convert = _kernels(dt, d)
+    dot, main, dq_convert = _kernels(dt, d, kernel)
     rows = B * H * n
     dvec = cp.empty(q.shape[:-1], dtype=cp.float32)
     dq_acc = cp.zeros(q.shape, dtype=cp.float32)
     dq, dk, dv = cp.empty_like(q), cp.empty_like(k), cp.empty_like(v)
     dot((math.ceil(rows / (THREADS // 32)),), (THREADS,), (o, do, dvec, np.int32(rows)))
-    main((math.ceil(m / BLOCK_KEYS), Hk, B), (THREADS,),
-         (q, k, v, do, lse, dvec, dq_acc, dk, dv, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk),
-          np.float32(scale), np.int32(bool(causal))))
+    args = (q, k, v, do, lse, dvec, dq_acc, dk, dv, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk),
+            np.float32(scale), np.int32(bool(causal)))
+    if kernel == "mma":
+        main((math.ceil(m / MMA_BLOCK_KEYS), Hk, B), (MMA_THREADS,), args, shared_mem=mma_shared_bytes(d))
+    else:
+        main((math.ceil(m / BLOCK_KEYS), Hk, B), (THREADS,), args)
     total = dq_acc.size
     dq_convert((math.ceil(total / THREADS),), (THREADS,), (dq_acc, dq, np.float32(scale), np.int64(total)))
     return dq, dk, dv

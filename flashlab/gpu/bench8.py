@@ -5,9 +5,9 @@ from one run, references timed in the same run on the same random fp16 inputs, C
 runs after --warmup; each output is computed once (into fresh arrays) and compared with the first
 implementation's before timing.
 
-* ``bwd``: the backward pass (given the forward's o and lse), ours against PyTorch SDPA's flash and cuDNN
-  backends (autograd backward only) and naive CuPy (P materialised). FLOP = 2.5 x the forward's 4 n^2 d batch
-  heads (half with the causal mask). Rows: pass "bwd".
+* ``bwd``: the backward pass (given the forward's o and lse), ours (the tensor-core and the scalar main kernel)
+  against PyTorch SDPA's flash and cuDNN backends (autograd backward only) and naive CuPy (P materialised).
+  FLOP = 2.5 x the forward's 4 n^2 d batch heads (half with the causal mask). Rows: pass "bwd".
 * ``decode``: one query token (or a few) against a KV cache of m keys: the split kernel (default splits and a
   sweep), the unsplit kernel (num_splits=1), PyTorch SDPA on the same shapes, and a device-to-device copy of the
   cache, whose bandwidth gives the time to read the cache once. Rows: pass "decode", with kv_bytes and GB/s.
@@ -68,11 +68,12 @@ def _bwd_impl(name: str, q, k, v, do, causal: bool):
 
     import flashlab.gpu as fgpu
 
-    if name == "ours":
+    if name in ("ours_smem", "ours_mma"):
         o, lse = fgpu.attention(q, k, v, causal=causal)
+        kernel = name.removeprefix("ours_")
 
         def fn():
-            return fgpu.attention_backward(q, k, v, o, lse, do, causal=causal)
+            return fgpu.attention_backward(q, k, v, o, lse, do, causal=causal, kernel=kernel)
 
         return "cupy", fn, fn
     if name == "cupy_naive":
@@ -309,15 +310,15 @@ def selfcheck(quick: bool = False) -> int:
                     return (fgpu.from_bf16(a) if bf else a.astype(cp.float32)).get().astype(np.float64)
 
                 o, lse = fgpu.attention(*dev[:3], causal=causal, bf16=bf)
-                grads = fgpu.attention_backward(*dev[:3], o, lse, dev[3], causal=causal, bf16=bf)
                 want = reference.attention_backward(q, k, v, do, causal=causal)
-                errs = [float(np.abs(host(g) - w).max() / max(1.0, np.abs(w).max()))
-                        for g, w in zip(grads, want, strict=True)]
-                tol = 3e-2 if bf else 4e-3
-                ok = max(errs) < tol
-                bad += not ok
-                print(f"backward {dt:<4} d={d:<4} n={n:<4} m={m:<4} causal={causal!s:<5} rel errors "
-                      f"{', '.join(f'{e:.1e}' for e in errs)} {'ok' if ok else 'FAIL'}", flush=True)
+                for kernel in backward.KERNELS:
+                    grads = fgpu.attention_backward(*dev[:3], o, lse, dev[3], causal=causal, bf16=bf, kernel=kernel)
+                    errs = [float(np.abs(host(g) - w).max() / max(1.0, np.abs(w).max()))
+                            for g, w in zip(grads, want, strict=True)]
+                    ok = max(errs) < (3e-2 if bf else 4e-3)
+                    bad += not ok
+                    print(f"backward {kernel:<4} {dt:<4} d={d:<4} n={n:<4} m={m:<4} causal={causal!s:<5} rel errors "
+                          f"{', '.join(f'{e:.1e}' for e in errs)} {'ok' if ok else 'FAIL'}", flush=True)
                 qd = dev[0][:, :, :3].copy()  # three new tokens
                 for splits in (1, 3):
                     od, ld = fgpu.decode(qd, dev[1], dev[2], num_splits=splits, lengths=[m - 5], causal=causal,
@@ -338,8 +339,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m flashlab.gpu.bench8", description=__doc__.splitlines()[0])
     p.add_argument("what", choices=("bwd", "decode", "memory", "selfcheck"))
     p.add_argument("--name", default=None, help="output file data/ch8/NAME.json (default: the benchmark's name)")
-    p.add_argument("--impls", nargs="+", default=["sdpa_flash", "ours", "sdpa_cudnn", "cupy_naive"],
-                   help="bwd: ours, sdpa_flash, sdpa_cudnn, cupy_naive (differences against the first)")
+    p.add_argument("--impls", nargs="+", default=["sdpa_flash", "ours_mma", "ours_smem", "sdpa_cudnn", "cupy_naive"],
+                   help="bwd: ours_mma, ours_smem, sdpa_flash, sdpa_cudnn, cupy_naive (differences against the first)")
     p.add_argument("--d", nargs="+", type=int, default=[128])
     p.add_argument("--n", nargs="+", type=int, default=[4096, 16384], help="bwd/memory: sequence lengths")
     p.add_argument("--m", nargs="+", type=int, default=[4096, 16384, 65536], help="decode: cache lengths")
