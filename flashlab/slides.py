@@ -1,10 +1,11 @@
 """``python -m flashlab slides``: reveal.js decks from the chapters, viewable offline.
 
 A chapter cell joins the deck when it carries the cell tag ``slide`` (each such cell starts a new slide) or
-``slide-continue`` (it goes on the slide of the tagged cell before it). Decks are built from executed chapters
-(the copies ``make html`` keeps in build/executed, or a fresh run), so plots appear on the slides. reveal.js comes
-from the sphinx-revealjs package and MathJax from jupyter-server-mathjax; both are copied next to the decks, so
-nothing is fetched from the network when the slides are shown.
+``slide-continue`` (it goes on the slide of the tagged cell before it). Code cells show their outputs only.
+Decks are built from executed chapters (the copies ``make html`` keeps in build/executed, or a fresh run), so
+plots appear on the slides. reveal.js comes from the sphinx-revealjs package and MathJax from
+jupyter-server-mathjax; both are copied next to the decks, so nothing is fetched from the network when the
+slides are shown.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def render_deck(nb, out_path: pathlib.Path, *, reveal_prefix: str, mathjax_url: 
         return 0
     exporter = SlidesExporter(extra_template_basedirs=[str(TEMPLATES)], template_name="flashlab_slides")
     exporter.reveal_url_prefix = reveal_prefix
+    exporter.exclude_input = True  # a projected slide shows results; the code stays in the chapter
     exporter.exclude_input_prompt = True
     exporter.exclude_output_prompt = True
     if mathjax_url:

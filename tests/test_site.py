@@ -120,6 +120,7 @@ def test_slides_keep_only_tagged_cells_and_load_nothing_from_the_network(tmp_pat
     assert n == 3
     page = (out / "deck.html").read_text()
     assert "Title slide" in page and "0.75" in page and "not on the slides" not in page
+    assert "print(6 / 8)" not in page  # code inputs stay in the chapter
     assert page.count("<section") >= 3  # two slides, each wrapped in a vertical stack
     remote = [u for u in re.findall(r'<(?:script|link)[^>]+(?:src|href)="([^"]+)"', page) if "://" in u]
     assert not remote, f"the deck loads {remote} from the network"
