@@ -16,7 +16,7 @@ import flashlab.gpu as fgpu
 def _to_cupy(t: torch.Tensor):
     import cupy as cp
 
-    t = t.contiguous()
+    t = t.detach().contiguous()  # DLPack refuses tensors that require grad; autograd tracks them outside
     if t.dtype == torch.bfloat16:  # CuPy has no bfloat16: the raw bits travel as uint16 (see flashlab.gpu)
         return cp.from_dlpack(t.view(torch.int16)).view(cp.uint16)
     return cp.from_dlpack(t)
