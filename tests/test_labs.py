@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import pathlib
+import re
 
 import nbformat
 import pytest
@@ -93,11 +94,18 @@ def graded(tmp_path_factory):
     return {"rows": rows, "csv": out, "before": before, "after": _digest(paths)}
 
 
+def _nothing_gradable_here(r: dict) -> bool:
+    """A GPU lab on a machine with neither a GPU nor nvcc scores 0 of 0 and must say why (students' laptops)."""
+    return r["max_score"] == 0 and all("not graded here" in q["feedback"] for q in r["questions"])
+
+
 def test_every_solution_scores_full_marks(graded):
     rows = {pathlib.Path(r["path"]).resolve(): r for r in graded["rows"]}
     for p in SOLUTIONS:
         r = rows[p.resolve()]
         assert r["error"] is None, r["error"]
+        if _nothing_gradable_here(r):
+            continue
         assert r["max_score"] > 0 and r["score"] == r["max_score"], json.dumps(r["questions"], indent=1)
 
 
@@ -106,7 +114,7 @@ def test_every_released_lab_scores_zero_without_crashing(graded):
     for p in LABS:
         r = rows[p.resolve()]
         assert r["error"] is None, r["error"]
-        assert r["max_score"] > 0 and r["score"] == 0
+        assert r["score"] == 0
         assert all("not implemented yet" in q["feedback"] for q in r["questions"]), r["questions"]
 
 
@@ -129,10 +137,11 @@ def test_csv_has_one_row_per_submission_and_a_column_per_question(graded):
     assert len(rows) == len(SOLUTIONS) + len(LABS)
     assert {"student", "total"} <= set(rows[0])
     by_path = {pathlib.Path(r["path"]).resolve(): r for r in rows}
+    question = re.compile(r"^(lab\d+\.)?q\d+$")
     for p in SOLUTIONS:
         r = by_path[p.resolve()]
-        assert r["student"] == p.stem and float(r["total"]) == float(r["max_score"]) > 0
-        qcols = [k for k in r if k.endswith((".q1", ".q2", ".q3")) or k in ("q1", "q2", "q3")]
+        assert r["student"] == p.stem and float(r["total"]) == float(r["max_score"])
+        qcols = [k for k in r if question.match(k)]
         assert qcols and sum(float(r[k]) for k in qcols if r[k]) == float(r["total"])
 
 
