@@ -156,14 +156,19 @@ def default_blocks(algorithm: str, d: int, sram: int) -> tuple[int, int]:
     return min(b_c, d), b_c
 
 
-def _blocks(algorithm, n, d, sram, block_q, block_k) -> tuple[int, int]:
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}; got {algorithm!r}")
+def _resolve_blocks(defaults, algorithm, d, sram, block_q, block_k) -> tuple[int, int]:
+    """Blocks the caller gave, the rest from DEFAULTS(algorithm, d, sram)."""
     if block_q is None or block_k is None:
-        b_r, b_c = default_blocks(algorithm, d, sram)
+        b_r, b_c = defaults(algorithm, d, sram)
         block_q = b_r if block_q is None else block_q
         block_k = b_c if block_k is None else block_k
     return check_block(block_q, "block_q"), check_block(block_k, "block_k")
+
+
+def _blocks(algorithm, n, d, sram, block_q, block_k) -> tuple[int, int]:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}; got {algorithm!r}")
+    return _resolve_blocks(default_blocks, algorithm, d, sram, block_q, block_k)
 
 
 def _sram_need(algorithm, n, d, sram, b_r, b_c) -> int:
@@ -383,11 +388,7 @@ def default_blocks_backward(algorithm: str, d: int, sram: int) -> tuple[int, int
 def _backward_blocks(algorithm, d, sram, block_q, block_k) -> tuple[int, int]:
     if algorithm not in BACKWARD_ALGORITHMS:
         raise ValueError(f"the backward is modelled for {BACKWARD_ALGORITHMS}; got {algorithm!r}")
-    if block_q is None or block_k is None:
-        b_r, b_c = default_blocks_backward(algorithm, d, sram)
-        block_q = b_r if block_q is None else block_q
-        block_k = b_c if block_k is None else block_k
-    return check_block(block_q, "block_q"), check_block(block_k, "block_k")
+    return _resolve_blocks(default_blocks_backward, algorithm, d, sram, block_q, block_k)
 
 
 def _backward_sram_need(algorithm, n, d, sram, b_r, b_c) -> int:

@@ -80,23 +80,6 @@ def test_kernels_pass_the_selfcheck_under_the_host_emulation():
     assert res.returncode == 0 and "selfcheck: all ok" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) not installed")
-@pytest.mark.parametrize("arch", [80, 90])
-def test_kernel_file_compiles_without_spills(arch):
-    # tests/test_kernels_compile.py compiles the forward ladder (flashlab.gpu.RUNGS); this file's kernels here.
-    import flashlab.gpu as fgpu
-
-    for file in gbwd.KERNEL_FILES:
-        report = fgpu.compile_report(fgpu.Rung("ch8", file, 0, 0, (), 80, 0, ""), arch)
-        assert report, file
-        for k in report:
-            print(f"{file} sm_{arch} {k['kernel']:<24} {k['registers']:>3} registers, {k['shared_bytes']} B shared, "
-                  f"spills {k['spill_store_bytes']}/{k['spill_load_bytes']} B")
-            assert k["shared_bytes"] <= 48 * 1024, (file, k)  # static shared memory only
-            if arch == 90:
-                assert k["spill_store_bytes"] == k["spill_load_bytes"] == 0, (file, k)
-
-
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the host emulation of the kernels needs g++")
 def test_host_emulation_runs_the_gpu_proven_tensor_core_forward():
     """Rung 9 (mma.sync, ldmatrix, cp.async; correct on an H200) under the emulation: checks the emulation itself."""

@@ -26,11 +26,9 @@ def _compile(rung, arch: int) -> list[dict]:
 
 
 def test_every_kernel_file_is_a_registered_rung():
-    """Every .cu file is a forward rung or a chapter-8 kernel (those compile in tests/test_gpu_backward|decode.py)."""
-    from flashlab.gpu import backward, decoding
-
+    """Every .cu file is a forward rung or a chapter-8 kernel, so every one is compiled below."""
     files = sorted(p.name for p in fgpu.KERNEL_DIR.glob("*.cu"))
-    known = [r.file for r in fgpu.RUNGS.values()] + list(backward.KERNEL_FILES + decoding.KERNEL_FILES)
+    known = [r.file for r in fgpu.RUNGS.values()] + _chapter8_files()
     assert files == sorted(known)
 
 
@@ -57,3 +55,24 @@ ptxas info    : Used 255 registers, used 1 barriers, 8 bytes cumulative stack si
     (k,) = fgpu.parse_resource_usage(log)
     got = (k["kernel"], k["registers"], k["spill_store_bytes"], k["spill_load_bytes"])
     assert got == ("attn_fwd_f16_d128", 255, 4, 8)
+
+
+def _chapter8_files() -> list[str]:
+    from flashlab.gpu import backward, decoding
+
+    return list(backward.KERNEL_FILES + decoding.KERNEL_FILES)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("file", _chapter8_files())
+def test_chapter8_kernels_compile_without_spills(file, arch):
+    """Chapter 8's kernels (sm_80+: mma.sync, cp.async) hold static shared memory only and do not spill on sm_90."""
+    report = fgpu.compile_report(fgpu.Rung("ch8", file, 0, 0, (), 80, 0, ""), arch)
+    assert report, file
+    for k in report:
+        print(f"{file} sm_{arch} {k['kernel']:<24} {k['registers']:>3} registers, {k['shared_bytes']} B shared, "
+              f"spills {k['spill_store_bytes']}/{k['spill_load_bytes']} B")
+        assert k["shared_bytes"] <= 48 * 1024, (file, k)  # static shared memory only
+        if arch == 90:
+            assert k["spill_store_bytes"] == k["spill_load_bytes"] == 0, (file, k)
