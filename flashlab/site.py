@@ -120,6 +120,23 @@ Jupyter (<code>make lab</code>), where each check cell grades the task above it.
     (out_dir / "index.html").write_text(page, encoding="utf-8")
 
 
+def for_each_chapter(chapters: list[pathlib.Path], only: str, action) -> int:
+    """Run ACTION(path) on each chapter whose file name contains ONLY; returns how many failed.
+
+    A failure is printed and the next chapter runs: one broken chapter must not hide the others.
+    """
+    failures = 0
+    for path in chapters:
+        if only not in path.name:
+            continue
+        try:
+            action(path)
+        except Exception as exc:  # noqa: BLE001 - reported, counted, and turned into the exit status
+            failures += 1
+            print(f"{path.name}: FAILED: {type(exc).__name__}: {str(exc)[-2000:]}", file=sys.stderr)
+    return failures
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashlab html", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="build/html", help="output folder (default: build/html)")
@@ -140,18 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     lab_mathjax = f"../{mathjax_url}" if mathjax_url else None
     for lab in labs:
         render_chapter(nbformat.read(lab, as_version=4), out_dir / "labs" / f"{lab.stem}.html", mathjax_url=lab_mathjax)
-    failures = 0
-    for path in chapters:
-        if args.only not in path.name:
-            continue
-        try:
-            t0 = time.perf_counter()
-            nb = executed(path, pathlib.Path(args.cache), timeout=args.timeout, fresh=True)
-            render_chapter(nb, out_dir / f"{path.stem}.html", mathjax_url=mathjax_url)
-            print(f"{path.name}: {time.perf_counter() - t0:.1f} s -> {out_dir / (path.stem + '.html')}")
-        except Exception as exc:  # one broken chapter must not hide the others
-            failures += 1
-            print(f"{path.name}: FAILED: {type(exc).__name__}: {str(exc)[-2000:]}", file=sys.stderr)
+
+    def render(path: pathlib.Path) -> None:
+        t0 = time.perf_counter()
+        nb = executed(path, pathlib.Path(args.cache), timeout=args.timeout, fresh=True)
+        render_chapter(nb, out_dir / f"{path.stem}.html", mathjax_url=mathjax_url)
+        print(f"{path.name}: {time.perf_counter() - t0:.1f} s -> {out_dir / (path.stem + '.html')}")
+
+    failures = for_each_chapter(chapters, args.only, render)
     write_index(out_dir, chapters, labs)
     print(f"index: {out_dir / 'index.html'}")
     return 1 if failures else 0

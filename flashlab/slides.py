@@ -14,7 +14,6 @@ import argparse
 import html
 import pathlib
 import shutil
-import sys
 
 from . import site
 
@@ -84,20 +83,16 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     reveal_prefix = install_reveal(out_dir)
     mathjax_url = site.install_mathjax(out_dir)
-    decks, failures = [], 0
-    for path in sorted((site.ROOT / "notebooks").glob("*.ipynb")):
-        if args.only not in path.name:
-            continue
-        try:
-            nb = site.executed(path, pathlib.Path(args.cache), timeout=args.timeout)
-            n = render_deck(nb, out_dir / f"{path.stem}.html", reveal_prefix=reveal_prefix, mathjax_url=mathjax_url)
-        except Exception as exc:  # one broken chapter must not hide the others
-            failures += 1
-            print(f"{path.name}: FAILED: {type(exc).__name__}: {str(exc)[-2000:]}", file=sys.stderr)
-            continue
+    decks = []
+
+    def build(path: pathlib.Path) -> None:
+        nb = site.executed(path, pathlib.Path(args.cache), timeout=args.timeout)
+        n = render_deck(nb, out_dir / f"{path.stem}.html", reveal_prefix=reveal_prefix, mathjax_url=mathjax_url)
         print(f"{path.name}: {n} slide cells" if n else f"{path.name}: no cells tagged 'slide', no deck")
         if n:
             decks.append(path)
+
+    failures = site.for_each_chapter(sorted((site.ROOT / "notebooks").glob("*.ipynb")), args.only, build)
     links = "\n".join(f'<li><a href="{p.stem}.html">{html.escape(site.title_of(p))}</a></li>' for p in decks)
     (out_dir / "index.html").write_text(
         f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>FlashLab slides</title></head>'
