@@ -1024,6 +1024,46 @@ class Showcase:
             print(report(mistake, self.seed), end="\n\n")
 
 
+def seed_sweep(seeds: Sequence[int], lab_ids: Sequence[str] | None = None, *, simulator: bool = False,
+               progress: Callable[[str], None] | None = None) -> list[tuple[Mistake, int, str]]:
+    """Grade every runnable mistake with each seed; return (mistake, seed, feedback) wherever it is not named.
+
+    Students get a fresh seed at every check, so a diagnosis must hold for any draw, not only for the seed the
+    tests use. ``simulator=True`` includes lab 05 (the CUDA simulator: minutes per seed).
+    """
+    misses = []
+    for mistake in catalogue(lab_ids):
+        if not runnable_here(mistake) or (needs_simulator(mistake.lab_id) and not simulator):
+            continue
+        bad = 0
+        for seed in seeds:
+            result = grade(mistake, int(seed))
+            if not diagnosed(mistake, result):
+                misses.append((mistake, int(seed), result.feedback))
+                bad += 1
+        if progress:
+            progress(f"{'ok  ' if not bad else 'MISS'} {mistake!r}" + (f": {bad} of {len(seeds)} seeds" if bad else ""))
+    return misses
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m flashlab.mistakes",
+                                description="Check that every grader diagnosis holds over many random seeds.")
+    p.add_argument("--seeds", type=int, default=20, help="how many seeds (default 20)")
+    p.add_argument("--first", type=int, default=1000, help="first seed (default 1000)")
+    p.add_argument("--labs", nargs="*", default=None, help="lab ids (default: all)")
+    p.add_argument("--simulator", action="store_true", help="include lab 05 (CUDA simulator; slow)")
+    args = p.parse_args(argv)
+    misses = seed_sweep(range(args.first, args.first + args.seeds), args.labs, simulator=args.simulator,
+                        progress=lambda line: print(line, flush=True))
+    for mistake, seed, feedback in misses:
+        print(f"\n--- {mistake!r} not named with seed {seed}:\n{feedback}")
+    print(f"\n{len(misses)} misses")
+    return 1 if misses else 0
+
+
 def overview() -> str:
     """One line per lab: its title, how many mistakes its graders name, and where they run."""
     lines = []
@@ -1041,5 +1081,10 @@ __all__ = [
     "SUBMISSIONS", "Demo", "HandWritten", "Mistake", "OtherDiagnosis", "Row", "Showcase", "catalogue",
     "declared_mutants", "demo", "diagnosed", "find", "format_rows", "grade", "grader_message", "group_questions",
     "implementation", "is_mutant", "labs", "local_mutants", "mutant_groups", "needs_gpu", "needs_simulator",
-    "overview", "report", "runnable_here", "solution_object", "solution_variant", "source_diff", "unmapped_groups",
+    "overview", "report", "runnable_here", "seed_sweep", "solution_object", "solution_variant", "source_diff",
+    "unmapped_groups",
 ]
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -182,6 +182,18 @@ def test_lab04_diagnoses_each_known_mistake():
         assert result.score == 0 and mutant.message in result.feedback
 
 
+def test_a_pass_at_a_loose_tolerance_does_not_contradict_a_mutant():
+    # Seed 885530232 failed on CI: "D from one tile" passed the huge-score part (rtol 1e-7) but the diagnosis
+    # re-checked that pass at the default rtol 1e-9, counted 3 contradictions against 3 hits and named nothing.
+    from flashlab.grading import lab04, run_question
+
+    mutant = lab04.MUTANTS[1]
+    assert "one tile" in mutant.message
+    result = run_question("lab04", "q1", [mutant.fn], seed=885530232)
+    assert "[ok  ] huge scores" in result.feedback
+    assert mutant.message in result.feedback, result.feedback
+
+
 def test_lab04_memory_part_fails_an_answer_that_stores_p():
     from flashlab.grading import run_question
 

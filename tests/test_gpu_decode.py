@@ -77,6 +77,17 @@ def test_default_num_splits_fills_the_gpu_without_tiny_splits():
     assert decoding.default_num_splits(64, 32, 1, 65536, 132) == 1  # batch already fills the GPU
     assert decoding.default_num_splits(1, 1, 1, 300, 132) == 2  # ceil(300 / 256): no split under 256 keys
     assert decoding.default_num_splits(1, 1, 1, 1, 132) == 1
+    assert decoding.default_num_splits(1, 32, 1, 65536, 132, blocks_per_sm=8) == 33
+
+
+def test_keys_kernel_takes_the_smallest_row_count_that_fits():
+    assert [decoding.block_rows("keys", r) for r in (1, 2, 3, 4, 5, 8, 9, 72)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert decoding.block_rows("rows", 1) == decoding.BLOCK_ROWS
+    # batch 1, 32 heads, one token: one block per head and split; "keys" aims at 8 blocks per SM, "rows" at 4
+    assert decoding.resolve_num_splits(1, 32, 32, 1, 65536, None, 132, "keys") == 33
+    assert decoding.resolve_num_splits(1, 32, 32, 1, 65536, None, 132, "rows") == 17
+    assert decoding.resolve_num_splits(1, 32, 4, 9, 65536, None, 132, "keys") == 30  # 72 rows: 9 chunks per head
+    assert decoding.resolve_num_splits(1, 32, 32, 1, 65536, 5, 132, "keys") == 5
 
 
 def _ref_decode(q, k, v, lengths, causal, scale=None):
@@ -116,7 +127,8 @@ def _gpu_helpers():
     return tga
 
 
-def _check_decode(rng, dt, B, H, Hk, n, m, d, causal, num_splits, lengths, magnitude=1.0, scale=None):
+def _check_decode(rng, dt, B, H, Hk, n, m, d, causal, num_splits, lengths, magnitude=1.0, scale=None,
+                  kernel="keys"):
     import cupy as cp
 
     import flashlab.gpu as fgpu
@@ -136,10 +148,11 @@ def _check_decode(rng, dt, B, H, Hk, n, m, d, causal, num_splits, lengths, magni
             O_nv[b], L_nv[b] = o_b[0], l_b[0]
     qg, kg, vg = (tga._to_gpu(x, dt) for x in (q, k, v))
     o, lse, o_parts, lse_parts = fgpu.decode(qg, kg, vg, num_splits=num_splits, lengths=lengths, causal=causal,
-                                             scale=scale, bf16=dt == "bf16", return_partials=True)
+                                             scale=scale, bf16=dt == "bf16", return_partials=True, kernel=kernel)
     cp.cuda.Device().synchronize()
     O, L = tga._from_gpu(o, dt), lse.get().astype(np.float64)
-    what = f"{dt} B={B} H={H} Hk={Hk} n={n} m={m} d={d} causal={causal} splits={num_splits} lengths={lengths}"
+    what = (f"{kernel} {dt} B={B} H={H} Hk={Hk} n={n} m={m} d={d} causal={causal} splits={num_splits} "
+            f"lengths={lengths}")
     assert np.isfinite(O).all(), f"nan/inf outputs: {what}"
     assert not np.isnan(L).any(), f"nan lse: {what}"
     np.testing.assert_array_equal(np.isneginf(L), np.isneginf(L_ref), err_msg=f"-inf rows differ: {what}")
@@ -182,8 +195,9 @@ def _check_decode(rng, dt, B, H, Hk, n, m, d, causal, num_splits, lengths, magni
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", decoding.KERNELS)
 @pytest.mark.parametrize("dt", ["f16", "bf16"])
-def test_decode_matches_reference_on_random_shapes(rng, dt):
+def test_decode_matches_reference_on_random_shapes(rng, dt, kernel):
     for trial in range(10):
         d = int(rng.choice([64, 128]))
         B, Hk, G = int(rng.integers(1, 3)), int(rng.integers(1, 3)), int(rng.choice([1, 2, 4, 8]))
@@ -192,16 +206,18 @@ def test_decode_matches_reference_on_random_shapes(rng, dt):
         lengths = [int(x) for x in rng.integers(1, m + 1, size=B)]
         splits = rng.choice([None, 1, 2, 3, 7, 64])
         _check_decode(rng, dt, B, Hk * G, Hk, n, m, d, bool(trial % 2), None if splits is None else int(splits),
-                      lengths)
+                      lengths, kernel=kernel)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", decoding.KERNELS)
 @pytest.mark.parametrize("dt", ["f16", "bf16"])
-def test_many_rows_per_group_span_several_row_chunks(rng, dt):
-    # group 8 x 9 tokens = 72 rows: three blocks of 32 rows per K/V head, the last one partial
-    _check_decode(rng, dt, 1, 16, 2, 9, 517, 128, True, 5, [517])
-    _check_decode(rng, dt, 2, 8, 1, 5, 300, 64, False, 3, [300, 123])
-    _check_decode(rng, dt, 1, 16, 4, 16, 2000, 128, True, None, [1999])  # 64 rows per group, default splits
+def test_many_rows_per_group_span_several_row_chunks(rng, dt, kernel):
+    # group 8 x 9 tokens = 72 rows: three blocks of 32 rows ("rows") or nine of 8 ("keys") per K/V head
+    _check_decode(rng, dt, 1, 16, 2, 9, 517, 128, True, 5, [517], kernel=kernel)
+    _check_decode(rng, dt, 2, 8, 1, 5, 300, 64, False, 3, [300, 123], kernel=kernel)
+    _check_decode(rng, dt, 1, 16, 4, 16, 2000, 128, True, None, [1999], kernel=kernel)  # default splits
+    _check_decode(rng, dt, 1, 6, 2, 1, 777, 64, True, 4, [777], kernel=kernel)  # 3 rows: the "keys" R = 4 kernel
 
 
 @pytest.mark.gpu
@@ -212,26 +228,28 @@ def test_num_splits_one_is_the_unsplit_kernel_and_splits_agree_with_it(rng):
 
     q = cp.asarray(rng.standard_normal((1, 8, 1, 128)).astype(np.float16))
     k, v = (cp.asarray(rng.standard_normal((1, 2, 4099, 128)).astype(np.float16)) for _ in range(2))
-    o1, l1, op1, lp1 = fgpu.decode(q, k, v, num_splits=1, return_partials=True)
+    o1, l1, op1, lp1 = fgpu.decode(q, k, v, num_splits=1, return_partials=True, kernel="rows")
     assert op1.shape[3] == 1
     # One split: the merge kernel copies (weight e^0 = 1), so o is the partial rounded once to fp16.
     np.testing.assert_array_equal(o1.get(), op1[:, :, :, 0].astype(cp.float16).get())
     np.testing.assert_array_equal(l1.get(), lp1[..., 0].get())
-    for s in (2, 5, 16, 129):
-        o, lse = fgpu.decode(q, k, v, num_splits=s)
+    for s, kernel in [(s, kernel) for s in (1, 2, 5, 16, 129) for kernel in decoding.KERNELS]:
+        o, lse = fgpu.decode(q, k, v, num_splits=s, kernel=kernel)
         diff = float(cp.abs(o.astype(cp.float32) - o1.astype(cp.float32)).max())
-        assert diff <= 2e-3, (s, diff)  # one fp16 rounding step of values below 1
-        assert float(cp.abs(lse - l1).max()) <= 1e-5, s
+        assert diff <= 2e-3, (s, kernel, diff)  # one fp16 rounding step of values below 1
+        assert float(cp.abs(lse - l1).max()) <= 1e-5, (s, kernel)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", decoding.KERNELS)
 @pytest.mark.parametrize("dt", ["f16", "bf16"])
-def test_empty_caches_fully_masked_rows_and_huge_logits(rng, dt):
+def test_empty_caches_fully_masked_rows_and_huge_logits(rng, dt, kernel):
     # length 0 and causal with n > length: those rows see no key -> o = 0, lse = -inf
-    O, L = _check_decode(rng, dt, 3, 4, 2, 4, 40, 64, True, 3, [0, 2, 40])
+    O, L = _check_decode(rng, dt, 3, 4, 2, 4, 40, 64, True, 3, [0, 2, 40], kernel=kernel)
     assert (O[0] == 0).all() and np.isneginf(L[0]).all()
     assert (O[1, :, :2] == 0).all() and np.isneginf(L[1, :, :2]).all() and np.isfinite(L[1, :, 2:]).all()
-    _check_decode(rng, dt, 1, 2, 1, 2, 333, 128, False, 4, [333], magnitude=1000.0 / np.sqrt(128), scale=1.0)
+    _check_decode(rng, dt, 1, 2, 1, 2, 333, 128, False, 4, [333], magnitude=1000.0 / np.sqrt(128), scale=1.0,
+                  kernel=kernel)
 
 
 @pytest.mark.gpu
@@ -270,6 +288,8 @@ def test_decode_bad_inputs_get_clear_errors():
         fgpu.decode(x, x, x, num_splits=2.5)
     with pytest.raises(ValueError, match="head dimension"):
         fgpu.decode(*(cp.zeros((1, 2, 8, 96), cp.float16),) * 3)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        fgpu.decode(x, x, x, kernel="fast")
     with pytest.raises(ValueError, match="divide"):
         fgpu.decode(x, x[:, :1].repeat(3, axis=1), x[:, :1].repeat(3, axis=1))
 

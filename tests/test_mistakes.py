@@ -327,3 +327,12 @@ def test_demo_rows_compare_with_the_demo_tolerance_and_name_infinities():
     assert "inf where" in mistakes._diff(right[0], np.array([0.5, 1.0]))
     assert "nan where" in mistakes._diff(right[0], np.array([-np.inf, np.nan]))
     assert mistakes._diff(right[0], np.array([-np.inf, 1.25])) == "max |wrong - right| = 0.25"
+
+
+def test_seed_sweep_grades_each_mistake_with_every_seed(capsys):
+    misses = mistakes.seed_sweep([7, 8], ["lab01"], progress=print)
+    assert misses == []
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == sum(mistakes.runnable_here(m) for m in mistakes.catalogue(["lab01"]))
+    assert all(line.startswith("ok   Mistake(lab01") for line in lines)
+    assert mistakes._main(["--seeds", "1", "--labs", "lab02"]) == 0

@@ -182,23 +182,26 @@ def _decode_one(args, m: int, rows: list[dict], rng) -> None:
             "read_once_ms": round(read_once_ms, 5)}
     print(f"# m={m}: KV cache {kv_bytes / 1e6:.1f} MB, copy bandwidth {copy_gbps:.0f} GB/s -> read once in "
           f"{read_once_ms * 1e3:.1f} us")
-    ref, _ = fgpu.decode(q, k, v, num_splits=1)
+    ref, _ = fgpu.decode(q, k, v, num_splits=1, kernel="rows")
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    for name, splits in [("split", None), ("unsplit", 1)] + [(f"split_{s}", s) for s in args.splits]:
+    # impl: "<kernel>" with the default split count, "<kernel>_unsplit", "<kernel>_split_<S>"
+    runs = [(f"{kern}{suffix}", kern, splits) for kern in args.kernels
+            for suffix, splits in [("", None), ("_unsplit", 1)] + [(f"_split_{s}", s) for s in args.splits]]
+    for name, kern, splits in runs:
         try:
-            def fn(splits=splits):
-                return fgpu.decode(q, k, v, num_splits=splits)
+            def fn(splits=splits, kern=kern):
+                return fgpu.decode(q, k, v, num_splits=splits, kernel=kern)
 
             err = _max_diff(fn()[0], ref)
             ms = _median_ms("cupy", fn, args.repeat, args.warmup)
         except Exception as e:  # noqa: BLE001
-            rows.append({**base, "impl": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            rows.append({**base, "impl": name, "kernel": kern, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             continue
-        used = decoding.resolve_num_splits(B, H, Hk, nq, m, splits, sms)
-        rows.append({**base, "impl": name, "num_splits": used, "median_ms": round(ms, 5),
+        used = decoding.resolve_num_splits(B, H, Hk, nq, m, splits, sms, kern)
+        rows.append({**base, "impl": name, "kernel": kern, "num_splits": used, "median_ms": round(ms, 5),
                      "gbps": round(kv_bytes / (ms * 1e-3) / 1e9, 1), "x_read_once": round(ms / read_once_ms, 3),
-                     "repeat": args.repeat, "max_abs_diff": err, "diff_against": "unsplit"})
-        print(f"  {name:<10} splits={used:<5} {ms * 1e3:9.1f} us  {rows[-1]['gbps']:7.0f} GB/s  "
+                     "repeat": args.repeat, "max_abs_diff": err, "diff_against": "rows_unsplit"})
+        print(f"  {name:<16} splits={used:<5} {ms * 1e3:9.1f} us  {rows[-1]['gbps']:7.0f} GB/s  "
               f"{rows[-1]['x_read_once']:.2f}x read-once  max|diff|={err:.1e}", flush=True)
     try:
         import torch
@@ -217,7 +220,7 @@ def _decode_one(args, m: int, rows: list[dict], rng) -> None:
         return
     rows.append({**base, "impl": "sdpa", "median_ms": round(ms, 5), "gbps": round(kv_bytes / (ms * 1e-3) / 1e9, 1),
                  "x_read_once": round(ms / read_once_ms, 3), "repeat": args.repeat, "max_abs_diff": err,
-                 "diff_against": "unsplit"})
+                 "diff_against": "rows_unsplit"})
     print(f"  {'sdpa':<10} {'':<12} {ms * 1e3:9.1f} us  {rows[-1]['gbps']:7.0f} GB/s", flush=True)
 
 
@@ -320,14 +323,14 @@ def selfcheck(quick: bool = False) -> int:
                     print(f"backward {kernel:<4} {dt:<4} d={d:<4} n={n:<4} m={m:<4} causal={causal!s:<5} rel errors "
                           f"{', '.join(f'{e:.1e}' for e in errs)} {'ok' if ok else 'FAIL'}", flush=True)
                 qd = dev[0][:, :, :3].copy()  # three new tokens
-                for splits in (1, 3):
+                for splits, kernel in ((1, "rows"), (3, "rows"), (1, "keys"), (3, "keys")):
                     od, ld = fgpu.decode(qd, dev[1], dev[2], num_splits=splits, lengths=[m - 5], causal=causal,
-                                         bf16=bf)
+                                         bf16=bf, kernel=kernel)
                     O, _ = reference.attention(q[:, :, :3], k[:, :, : m - 5], v[:, :, : m - 5], causal=causal)
                     err = float(np.abs(host(od) - O).max())
                     ok = err < (3e-2 if bf else 4e-3)
                     bad += not ok
-                    print(f"decode   {dt:<4} d={d:<4} m={m:<4} splits={splits} causal={causal!s:<5} "
+                    print(f"decode   {kernel:<4} {dt:<4} d={d:<4} m={m:<4} splits={splits} causal={causal!s:<5} "
                           f"max error {err:.1e} {'ok' if ok else 'FAIL'}", flush=True)
     cp.cuda.Device().synchronize()
     print("selfcheck:", "all ok" if not bad else f"{bad} FAILED")
@@ -346,6 +349,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--m", nargs="+", type=int, default=[4096, 16384, 65536], help="decode: cache lengths")
     p.add_argument("--queries", type=int, default=1, help="decode: query tokens per step")
     p.add_argument("--splits", nargs="*", type=int, default=[4, 16, 64, 256], help="decode: extra split counts")
+    p.add_argument("--kernels", nargs="+", default=list(decoding.KERNELS), choices=decoding.KERNELS,
+                   help="decode: split kernels to time")
     p.add_argument("--causal", choices=("no", "yes", "both"), default="both")
     p.add_argument("--tokens", type=int, default=16384, help="bwd: batch x n (batch = tokens // n)")
     p.add_argument("--heads", type=int, default=None, help="default 16 (bwd, memory) or 32 (decode)")
@@ -373,7 +378,7 @@ def format_rows(rows: list[dict]) -> str:
             lines.append(f"{r['impl']:<12} d={r['d']:<4} n={r['n']:<6} causal={r['causal']!s:<5} "
                          f"{r['median_ms']:9.3f} ms {r['tflops']:8.2f} TFLOP/s {pct} of sdpa_flash")
         elif r["pass"] == "decode":
-            lines.append(f"{r['impl']:<12} m={r['m']:<7} splits={r.get('num_splits', '-')!s:<5} "
+            lines.append(f"{r['impl']:<16} m={r['m']:<7} splits={r.get('num_splits', '-')!s:<5} "
                          f"{r['median_ms'] * 1e3:9.1f} us {r['gbps']:8.0f} GB/s {r['x_read_once']:6.2f}x read-once")
         else:
             lines.append(f"{r['impl']:<12} n={r['n']:<6} kept {r['kept_bytes'] / 1e6:10.1f} MB, backward extra "

@@ -12,8 +12,10 @@ kernel merges them with chapter 1's rule::
 rule on (m, l, u) states). ``decode_numpy`` runs the whole scheme on the CPU with ``flashlab.reference`` for each
 split, so the split arithmetic is tested without a GPU.
 
-Kernels: ``kernels/decode_r1_split.cu`` (one file, two kernels). Inputs fp16, or bf16 bit patterns in uint16
-with ``bf16=True`` (see ``flashlab.gpu``).
+Kernels: ``kernels/decode_r1_split.cu`` (``kernel="rows"``: the first version, warps share out the query rows of
+a 32-key tile in shared memory; and the merge kernel) and ``kernels/decode_r2_warp_keys.cu`` (``kernel="keys"``,
+the default: warps share out the keys and stream them from global memory with many 16-byte loads in flight, the
+query rows in registers). Inputs fp16, or bf16 bit patterns in uint16 with ``bf16=True`` (see ``flashlab.gpu``).
 """
 
 from __future__ import annotations
@@ -26,11 +28,15 @@ import numpy as np
 from .. import reference
 from .._checks import check_scale
 
-KERNEL_FILE = "decode_r1_split.cu"
-BLOCK_KEYS = 32  # keys per tile in the split kernel (BC in the .cu): split lengths are multiples of it
-BLOCK_ROWS = 32  # query rows (heads of a group x query tokens) per block (ROWS in the .cu)
+KERNEL_FILE = "decode_r1_split.cu"  # the "rows" split kernel and the merge kernel both versions use
+KEYS_FILE = "decode_r2_warp_keys.cu"
+KERNEL_FILES = (KERNEL_FILE, KEYS_FILE)
+KERNELS = ("keys", "rows")  # the first is the default
+BLOCK_KEYS = 32  # keys per tile of the "rows" kernel (BC in the .cu); split lengths are multiples of it for both
+BLOCK_ROWS = 32  # query rows (heads of a group x query tokens) per block of the "rows" kernel (ROWS in the .cu)
+KEYS_ROWS = (1, 2, 4, 8)  # row counts the "keys" kernel is compiled for (R in the .cu): the smallest that fits
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs (launch share, merge traffic) outweigh its keys
-KERNEL_FILES = (KERNEL_FILE,)
+BLOCKS_PER_SM = {"rows": 4, "keys": 8}  # default splits aim at this many blocks per SM (about two waves)
 
 
 # ----------------------------------------------------------------------------------------------- CPU: the math
@@ -100,32 +106,44 @@ def decode_numpy(q, k, v, *, num_splits: int = 1, lengths=None, causal: bool = F
     return merge_partials(o_parts, lse_parts)
 
 
-def default_num_splits(batch: int, kv_heads: int, row_chunks: int, m: int, sm_count: int) -> int:
-    """Enough splits that the grid covers every SM about four times, but no split shorter than MIN_KEYS_PER_SPLIT.
+def default_num_splits(batch: int, kv_heads: int, row_chunks: int, m: int, sm_count: int,
+                       blocks_per_sm: int = 4) -> int:
+    """Enough splits that the grid covers every SM ``blocks_per_sm`` times, but no split under MIN_KEYS_PER_SPLIT.
 
-    A first heuristic (FlashDecoding's idea, not its exact rule); the next GPU session tunes it.
+    FlashDecoding's idea, not its exact rule; bench8's split sweep (data/ch8/decode.json) shows how close it is.
     """
     blocks = batch * kv_heads * row_chunks
-    want = math.ceil(4 * sm_count / blocks)
+    want = math.ceil(blocks_per_sm * sm_count / blocks)
     return int(max(1, min(want, math.ceil(m / MIN_KEYS_PER_SPLIT), 1024)))
 
 
+def block_rows(kernel: str, rows: int) -> int:
+    """Query rows per block: 32 for "rows"; for "keys" the smallest of KEYS_ROWS that holds ``rows`` (else 8)."""
+    if kernel == "rows":
+        return BLOCK_ROWS
+    return next((r for r in KEYS_ROWS if r >= rows), KEYS_ROWS[-1])
+
+
 def resolve_num_splits(batch: int, heads: int, kv_heads: int, n: int, m: int, num_splits: int | None,
-                       sm_count: int) -> int:
+                       sm_count: int, kernel: str = KERNELS[0]) -> int:
     """The split count decode uses: ``num_splits`` if given, else ``default_num_splits`` for this launch."""
     if num_splits is not None:
         return int(num_splits)
-    chunks = math.ceil(heads // kv_heads * n / BLOCK_ROWS)
-    return default_num_splits(batch, kv_heads, chunks, m, sm_count)
+    rows = heads // kv_heads * n
+    chunks = math.ceil(rows / block_rows(kernel, rows))
+    return default_num_splits(batch, kv_heads, chunks, m, sm_count, BLOCKS_PER_SM[kernel])
 
 
 # ------------------------------------------------------------------------------------------------ GPU: launch
-def _kernels(dt: str, d: int):
+def _kernels(dt: str, d: int, kernel: str, rows: int):
     from . import KERNEL_DIR, _module
 
-    path = KERNEL_DIR / KERNEL_FILE
-    mod = _module(KERNEL_FILE, path.read_text(), ())
-    return mod.get_function(f"decode_split_{dt}_d{d}"), mod.get_function(f"decode_merge_{dt}_d{d}")
+    mod = _module(KERNEL_FILE, (KERNEL_DIR / KERNEL_FILE).read_text(), ())
+    merge = mod.get_function(f"decode_merge_{dt}_d{d}")
+    if kernel == "rows":
+        return mod.get_function(f"decode_split_{dt}_d{d}"), merge
+    keys = _module(KEYS_FILE, (KERNEL_DIR / KEYS_FILE).read_text(), ())
+    return keys.get_function(f"decode_keys_{dt}_d{d}_r{rows}"), merge
 
 
 def _lengths_array(lengths, B: int, m: int):
@@ -143,7 +161,8 @@ def _lengths_array(lengths, B: int, m: int):
 
 
 def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Sequence[int] | None = None,
-           causal: bool = False, scale: float | None = None, bf16: bool = False, return_partials: bool = False):
+           causal: bool = False, scale: float | None = None, bf16: bool = False, return_partials: bool = False,
+           kernel: str = KERNELS[0]):
     """Attention of a few query tokens against a KV cache, split over the keys (FlashDecoding). Returns (o, lse).
 
     q is (batch, heads, n, d) or (n, d); k_cache and v_cache are (batch, heads_kv, m, d) or (m, d), heads_kv
@@ -152,7 +171,8 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     batch element, 0 <= length <= m) says how much of each cache is filled; default all m. ``causal``: the n query
     tokens are the last n entries of the cache, so token i sees keys j <= i + length - n. ``num_splits`` None
     picks enough splits to fill the GPU (``default_num_splits``); 1 is the unsplit kernel (one block per (batch,
-    K/V head, 32 query rows)), followed by the same merge kernel, which then copies.
+    K/V head, chunk of query rows)), followed by the same merge kernel, which then copies. ``kernel`` picks the
+    split kernel: "keys" (default) or "rows" (the first version; see the module's docstring).
 
     o has q's shape and dtype; lse (q's shape without d, float32, natural log) is -inf for a row that sees no
     key (its o is 0). ``return_partials=True`` also returns the fp32 partials (o_parts (B, H, n, S, d),
@@ -163,6 +183,8 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     cp = _cupy()
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be True or False; got {causal!r}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}; got {kernel!r}")
     dt = _check_inputs(q, k_cache, v_cache, bf16)
     if dt == "f32":
         raise TypeError("decode takes float16 or (with bf16=True) bfloat16 bits in uint16; got float32")
@@ -179,11 +201,15 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     B, H, n, _ = q4.shape
     Hk, m = k4.shape[1], k4.shape[2]
     G = H // Hk
-    chunks = math.ceil(G * n / BLOCK_ROWS)
-    if Hk * chunks > 65535:
-        raise ValueError(f"heads_kv x ceil(group x n / {BLOCK_ROWS}) must be at most 65535; got {Hk * chunks}")
+    rows = block_rows(kernel, G * n)
+    chunks = math.ceil(G * n / rows)
+    if kernel == "rows" and Hk * chunks > 65535:
+        raise ValueError(f"heads_kv x ceil(group x n / {rows}) must be at most 65535; got {Hk * chunks}")
+    if kernel == "keys" and B * Hk > 65535:
+        raise ValueError(f"batch x heads_kv must be at most 65535; got {B * Hk}")
     if num_splits is None:
-        num_splits = resolve_num_splits(B, H, Hk, n, m, None, cp.cuda.Device().attributes["MultiProcessorCount"])
+        num_splits = resolve_num_splits(B, H, Hk, n, m, None, cp.cuda.Device().attributes["MultiProcessorCount"],
+                                        kernel)
     if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
         raise TypeError(f"num_splits must be an int or None; got {num_splits!r}")
     if not 1 <= num_splits <= 65535:
@@ -191,10 +217,11 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     num_splits = int(num_splits)
     lens = _lengths_array(lengths, B, m)
 
-    split, merge = _kernels(dt, d)
+    split, merge = _kernels(dt, d, kernel, rows)
     o_parts = cp.empty((B, H, n, num_splits, d), dtype=cp.float32)
     lse_parts = cp.empty((B, H, n, num_splits), dtype=cp.float32)
-    split((num_splits, Hk * chunks, B), (128,),
+    grid = (num_splits, Hk * chunks, B) if kernel == "rows" else (chunks, num_splits, B * Hk)
+    split(grid, (128,),
           (q4, k4, v4, lens, o_parts, lse_parts, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk),
            np.int32(split_length(m, num_splits)), np.float32(scale), np.int32(bool(causal))))
     o = cp.empty_like(q)

@@ -246,10 +246,24 @@ def host_source(cu_text: str) -> str:
         names += [f"{stem}_{dt}_d{d}" for stem in re.findall(r"(\w+)_##DT##_d##D\(", body)]
     names += re.findall(r'extern "C" __global__ void __launch_bounds__\(\w+\) (\w+)\(', src)
     names += re.findall(r"^DEFINE_KERNEL\((\w+), \w+, \d+\)", src, flags=re.M)
+    names += _expanded_kernel_names(src)
     names = [n for n in dict.fromkeys(names) if not n.isupper()]  # not a macro's parameter (NAME)
     exports = "\n".join(f'extern "C" void launch_{n}(unsigned gx, unsigned gy, unsigned gz, unsigned bx, void** a) '
                         f"{{ launch({n}, gx, gy, gz, bx, a); }}" for n in names)
     return HEADER + src + "\n" + exports + "\n"
+
+
+def _expanded_kernel_names(src: str) -> list[str]:
+    """Kernel names after the preprocessor has expanded the file's macros (for kernels a macro defines in a
+    pattern the regular expressions above do not know, e.g. one per (dtype, d, rows))."""
+    cpp = shutil.which("g++")
+    if cpp is None or "#define" not in src:
+        return []
+    res = subprocess.run([cpp, "-E", "-P", "-x", "c++", "-D__launch_bounds__(...)=", "-"], input=src,
+                         capture_output=True, text=True)
+    if res.returncode:
+        return []
+    return re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(', res.stdout)
 
 
 @functools.lru_cache(maxsize=None)

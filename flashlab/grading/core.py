@@ -239,7 +239,9 @@ class Trial:
         # (label, points earned, points, message); a message may be a callable, evaluated in result(), so that a
         # diagnosis can use the inputs that later parts of the same question got right.
         self.parts: list[tuple[str, float, float, Any]] = []
-        self._passes: list[tuple[Any, Callable, Case, tuple]] = []  # (student, run, case, expected)
+        # (student, run, case, expected, rtol, atol): each pass keeps the tolerance it was judged with, so that a
+        # mutant is contradicted only where it would have failed that same check.
+        self._passes: list[tuple[Any, Callable, Case, tuple, float, float]] = []
 
     # -- calling the student ---------------------------------------------------------------------------------
     def call(self, fn: Callable, *args, **kwargs):
@@ -297,12 +299,12 @@ class Trial:
             if not allclose(got, expected, rtol, atol):
                 failures.append((case, expected, got))
             else:
-                self._passes.append((student, run, case, expected))
+                self._passes.append((student, run, case, expected, rtol, atol))
         if not failures:
             self.parts.append((f"{label} ({n_cases} random inputs)", points, points, ""))
             return True
         def message() -> str:
-            passes = [(c, e) for s, r, c, e in self._passes if s is student and r is run]
+            passes = [(c, e, rt, at) for s, r, c, e, rt, at in self._passes if s is student and r is run]
             return self._diagnose(failures, passes, run, mutants, rtol, atol, names)
 
         self.parts.append((f"{label} (failed {len(failures)} of {n_cases} inputs)", 0.0, points, message))
@@ -371,9 +373,9 @@ class Trial:
                     hit = False
                 hits += hit
             if hits and mutant.fn is not None:
-                for case, expected in passes[:40]:
+                for case, expected, pass_rtol, pass_atol in passes[:40]:
                     try:
-                        contradictions += not allclose(key(mutant_output(case)), key(expected), rtol, atol)
+                        contradictions += not allclose(key(mutant_output(case)), key(expected), pass_rtol, pass_atol)
                     except Exception:
                         contradictions += 1
             if hits - contradictions > best_score:
