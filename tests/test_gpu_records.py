@@ -68,3 +68,35 @@ def test_recorded_best_rungs_are_the_fastest_tensor_core_rungs():
             same = {r["impl"]: r["tflops"] for r in rows if (r["d"], r["n"], r["causal"]) == (d, n, causal)}
             fastest = max((t, i) for i, t in same.items() if i in fgpu.RUNGS)[1]
             assert fastest == best, (d, n, causal, fastest)
+
+
+# ------------------------------------------------------------------------------------------- chapter 8 (data/ch8)
+CH8 = sorted((bench.DATA_DIR / "ch8").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", CH8, ids=lambda p: p.name)
+def test_chapter8_records_have_provenance_and_consistent_rows(path):
+    from flashlab.gpu import bench8
+
+    data = json.loads(path.read_text())
+    assert PROVENANCE_KEYS <= set(data["provenance"]), sorted(PROVENANCE_KEYS - set(data["provenance"]))
+    assert data["provenance"]["command"].startswith("python -m flashlab.gpu.bench8 ")
+    rows = [r for r in data["rows"] if "error" not in r]
+    assert rows
+    for r in rows:
+        if r["pass"] == "bwd":
+            f = bench8.bwd_flop(r["n"], r["d"], r["batch"], r["heads"], r["causal"])
+            assert f == pytest.approx(2.5 * bench.flop(r["n"], r["d"], r["batch"], r["heads"], r["causal"]))
+            assert r["tflops"] == pytest.approx(f / (r["median_ms"] * 1e-3) / 1e12, rel=1e-3), r
+            assert r["repeat"] >= 20
+        elif r["pass"] == "decode":
+            assert r["kv_bytes"] == 2 * r["batch"] * r["kv_heads"] * r["m"] * r["d"] * 2  # K and V, fp16
+            assert r["gbps"] == pytest.approx(r["kv_bytes"] / (r["median_ms"] * 1e-3) / 1e9, rel=1e-3), r
+            assert r["x_read_once"] == pytest.approx(r["median_ms"] / r["read_once_ms"], rel=1e-3), r
+            assert r["read_once_ms"] == pytest.approx(r["kv_bytes"] / (r["copy_gbps"] * 1e9) * 1e3, rel=1e-3), r
+            assert r["repeat"] >= 20
+        elif r["pass"] == "train":
+            assert len(r["losses"]) == r["steps"] and r["final_loss"] == r["losses"][-1], r["impl"]
+        else:
+            assert r["pass"] == "memory" and r["kept_bytes"] > 0 and r["backward_extra_bytes"] >= 0, r
+    assert bench8.format_rows(data["rows"])  # what chapter 8 prints

@@ -7,8 +7,11 @@ kernel parallel over K/V blocks that keeps dK and dV of its keys in registers wh
 and adds its share of dQ into an fp32 buffer with atomics; a last kernel scales and rounds dQ. See
 ``kernels/bwd_r1_smem.cu`` for the scheme and why dQ uses atomics rather than a second pass.
 
-This first version uses scalar fp32 FMAs on shared-memory tiles (correctness first); the tensor-core rungs of the
-forward ladder are the next step. ``numpy_backward`` is the same schedule in NumPy, for tests and chapter 8.
+Three main kernels, one step apart: ``"smem"`` (``bwd_r1_smem.cu``) uses scalar fp32 FMAs on shared-memory tiles
+(correctness first); ``"mma"`` (``bwd_r2_mma.cu``) runs the five tile products on tensor cores; ``"pipe"``
+(``bwd_r3_pipelined.cu``) gives a block twice the keys (half the query-tile loads and dQ atomics per key) and
+copies the next query tile with cp.async while the current one is used. ``numpy_backward`` is the schedule in
+NumPy, for tests and chapter 8.
 """
 
 from __future__ import annotations
@@ -21,18 +24,27 @@ from .._checks import causal_offset, check_scale
 
 KERNEL_FILE = "bwd_r1_smem.cu"  # kernels 1 and 3, and the scalar main kernel
 MMA_FILE = "bwd_r2_mma.cu"  # the main kernel on tensor cores
-KERNEL_FILES = (KERNEL_FILE, MMA_FILE)
+PIPE_FILE = "bwd_r3_pipelined.cu"  # tensor cores, 128 keys per block, cp.async double buffering
+KERNEL_FILES = (KERNEL_FILE, MMA_FILE, PIPE_FILE)
 BLOCK_KEYS = 32  # keys per thread block (BC in bwd_r1_smem.cu)
 BLOCK_ROWS = 32  # query rows per tile (BR in both files)
 THREADS = 256
 MMA_BLOCK_KEYS, MMA_THREADS = 64, 128  # bwd_r2_mma.cu: BC, 32 * NWARPS
-KERNELS = ("smem", "mma")
+PIPE_BLOCK_KEYS, PIPE_THREADS = 128, 256  # bwd_r3_pipelined.cu: BC, 32 * NWARPS
+KERNELS = ("smem", "mma", "pipe")
+DEFAULT_KERNEL = "mma"  # the fastest kernel measured on a GPU so far (data/ch8/bwd.json)
 
 
 def mma_shared_bytes(d: int) -> int:
     """Dynamic shared memory of bwd_r2_mma.cu: K, V, Q, dO tiles (rows padded to d + 8), dS^T, L and D."""
     tiles = (2 * MMA_BLOCK_KEYS + 2 * BLOCK_ROWS) * (d + 8) * 2
     return tiles + MMA_BLOCK_KEYS * (BLOCK_ROWS + 8) * 2 + 2 * BLOCK_ROWS * 4
+
+
+def pipe_shared_bytes(d: int) -> int:
+    """Dynamic shared memory of bwd_r3_pipelined.cu: K, V, two Q and two dO tiles, dS^T, two L and two D."""
+    tiles = (2 * PIPE_BLOCK_KEYS + 4 * BLOCK_ROWS) * (d + 8) * 2
+    return tiles + PIPE_BLOCK_KEYS * (BLOCK_ROWS + 8) * 2 + 4 * BLOCK_ROWS * 4
 
 
 def numpy_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: float | None = None):
@@ -76,17 +88,19 @@ def _kernels(dt: str, d: int, kernel: str):
     from . import KERNEL_DIR, STATIC_SMEM_LIMIT, _module
 
     mod = _module(KERNEL_FILE, (KERNEL_DIR / KERNEL_FILE).read_text(), ())
-    if kernel == "mma":
-        main = _module(MMA_FILE, (KERNEL_DIR / MMA_FILE).read_text(), ()).get_function(f"bwd_mma_{dt}_d{d}")
-        if mma_shared_bytes(d) > STATIC_SMEM_LIMIT:
-            main.max_dynamic_shared_size_bytes = mma_shared_bytes(d)
+    if kernel in ("mma", "pipe"):
+        file, name, smem = ((MMA_FILE, "bwd_mma", mma_shared_bytes(d)) if kernel == "mma"
+                            else (PIPE_FILE, "bwd_pipe", pipe_shared_bytes(d)))
+        main = _module(file, (KERNEL_DIR / file).read_text(), ()).get_function(f"{name}_{dt}_d{d}")
+        if smem > STATIC_SMEM_LIMIT:
+            main.max_dynamic_shared_size_bytes = smem
     else:
         main = mod.get_function(f"bwd_main_{dt}_d{d}")
     return mod.get_function(f"bwd_dot_{dt}_d{d}"), main, mod.get_function(f"bwd_dq_{dt}")
 
 
 def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: float | None = None,
-                       bf16: bool = False, kernel: str = "smem"):
+                       bf16: bool = False, kernel: str = DEFAULT_KERNEL):
     """Gradients ``(dq, dk, dv)`` of attention on the GPU, recomputing P from the saved logsumexp.
 
     q, k, v as for ``flashlab.gpu.attention`` (float16, or bfloat16 bits in uint16 with ``bf16=True``; d 64 or
@@ -95,8 +109,9 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: floa
     dtype). ``causal`` and ``scale`` must be the forward's. Returns arrays of q's, k's and v's shapes and dtype;
     with grouped-query attention dk and dv are summed over the query heads that share a K/V head.
     Accumulation is fp32; dq is summed with fp32 atomics, so its last bits vary from run to run.
-    ``kernel``: "smem" (scalar fp32 FMAs, the first version; P and dS stay fp32) or "mma" (tensor cores; P and dS
-    are rounded to 16 bits before their products, as in FlashAttention-2).
+    ``kernel``: "smem" (scalar fp32 FMAs, the first version; P and dS stay fp32), "mma" (tensor cores; P and dS
+    are rounded to 16 bits before their products, as in FlashAttention-2) or "pipe" ("mma" with 128 keys per block
+    and cp.async double buffering); the default is DEFAULT_KERNEL.
     """
     from . import _check_inputs, _cupy, compute_capability
 
@@ -138,6 +153,8 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: floa
             np.float32(scale), np.int32(bool(causal)))
     if kernel == "mma":
         main((math.ceil(m / MMA_BLOCK_KEYS), Hk, B), (MMA_THREADS,), args, shared_mem=mma_shared_bytes(d))
+    elif kernel == "pipe":
+        main((math.ceil(m / PIPE_BLOCK_KEYS), Hk, B), (PIPE_THREADS,), args, shared_mem=pipe_shared_bytes(d))
     else:
         main((math.ceil(m / BLOCK_KEYS), Hk, B), (THREADS,), args)
     total = dq_acc.size

@@ -1,18 +1,22 @@
-"""``python -m flashlab.gpu.bench8 {bwd,decode,memory}``: chapter 8's benchmarks, written to data/ch8/NAME.json.
+"""``python -m flashlab.gpu.bench8 {bwd,decode,memory,train}``: chapter 8's benchmarks, written to data/ch8/NAME.json.
 
 Same protocol and JSON/provenance format as ``flashlab.bench`` (CONVENTIONS section 5): every row of a table comes
 from one run, references timed in the same run on the same random fp16 inputs, CUDA events, median of --repeat
 runs after --warmup; each output is computed once (into fresh arrays) and compared with the first
 implementation's before timing.
 
-* ``bwd``: the backward pass (given the forward's o and lse), ours (the tensor-core and the scalar main kernel)
-  against PyTorch SDPA's flash and cuDNN backends (autograd backward only) and naive CuPy (P materialised).
-  FLOP = 2.5 x the forward's 4 n^2 d batch heads (half with the causal mask). Rows: pass "bwd".
-* ``decode``: one query token (or a few) against a KV cache of m keys: the split kernel (default splits and a
-  sweep), the unsplit kernel (num_splits=1), PyTorch SDPA on the same shapes, and a device-to-device copy of the
-  cache, whose bandwidth gives the time to read the cache once. Rows: pass "decode", with kv_bytes and GB/s.
+* ``bwd``: the backward pass (given the forward's o and lse), ours (``ours_<kernel>``, each main kernel of
+  ``flashlab.gpu.backward``) against PyTorch SDPA's flash and cuDNN backends (autograd backward only) and naive
+  CuPy (P materialised). FLOP = 2.5 x the forward's 4 n^2 d batch heads (half with the causal mask). Rows: pass
+  "bwd".
+* ``decode``: one query token (or a few) against a KV cache of m keys: each split kernel (``--kernels``; impl
+  "<kernel>" with the default splits, "<kernel>_split_<S>" for the sweep, "<kernel>_unsplit" for num_splits=1),
+  PyTorch SDPA on the same shapes, and a device-to-device copy of the cache, whose bandwidth gives the time to
+  read the cache once. Rows: pass "decode", with kv_bytes and GB/s.
 * ``memory``: what each way of training keeps between forward and backward (flash: o and lse; standard: o and
   P), and the extra memory of each backward, from CuPy's memory pool. Rows: pass "memory".
+* ``train``: the toy model of ``flashlab.gpu.toytrain`` trained for --steps with the course's kernels and with
+  PyTorch SDPA from the same seed: both loss curves. Rows: pass "train".
 * ``selfcheck``: every kernel once at small ragged shapes against float64, nothing timed or written: the run to
   put under ``compute-sanitizer --tool memcheck`` and ``--tool racecheck``.
 
@@ -68,7 +72,7 @@ def _bwd_impl(name: str, q, k, v, do, causal: bool):
 
     import flashlab.gpu as fgpu
 
-    if name in ("ours_smem", "ours_mma"):
+    if name.removeprefix("ours_") in backward.KERNELS:
         o, lse = fgpu.attention(q, k, v, causal=causal)
         kernel = name.removeprefix("ours_")
 
@@ -281,6 +285,22 @@ def run_memory(args, rows: list[dict]) -> None:
         pool.free_all_blocks()
 
 
+# ------------------------------------------------------------------------------------------------------- train
+def run_train(args, rows: list[dict]) -> None:
+    """The toy model of flashlab.gpu.toytrain, trained with the course's kernels and with SDPA (same seed)."""
+    from . import toytrain
+
+    curves = {}
+    for name in ("flash", "sdpa"):
+        curves[name] = toytrain.train(name, args.steps)
+        rows.append({"pass": "train", "impl": name, "steps": args.steps, "batch": toytrain.BATCH, "n": toytrain.N,
+                     "heads": toytrain.HEADS, "d": toytrain.MODEL // toytrain.HEADS, "vocab": toytrain.VOCAB,
+                     "dtype": "bfloat16", "causal": True, "losses": curves[name], "final_loss": curves[name][-1]})
+        print(f"  {name:<6} loss {curves[name][0]:.3f} -> {curves[name][-1]:.4f} after {args.steps} steps", flush=True)
+    gap = max(abs(a - b) for a, b in zip(curves["flash"], curves["sdpa"], strict=True))
+    print(f"  max |loss(flash) - loss(sdpa)| over the steps: {gap:.2e}")
+
+
 # --------------------------------------------------------------------------------------------------- selfcheck
 def selfcheck(quick: bool = False) -> int:
     """Every chapter-8 kernel once per dtype and d at small ragged shapes, against float64: for compute-sanitizer.
@@ -340,10 +360,12 @@ def selfcheck(quick: bool = False) -> int:
 # -------------------------------------------------------------------------------------------------------- main
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m flashlab.gpu.bench8", description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=("bwd", "decode", "memory", "selfcheck"))
+    p.add_argument("what", choices=("bwd", "decode", "memory", "train", "selfcheck"))
     p.add_argument("--name", default=None, help="output file data/ch8/NAME.json (default: the benchmark's name)")
-    p.add_argument("--impls", nargs="+", default=["sdpa_flash", "ours_mma", "ours_smem", "sdpa_cudnn", "cupy_naive"],
-                   help="bwd: ours_mma, ours_smem, sdpa_flash, sdpa_cudnn, cupy_naive (differences against the first)")
+    p.add_argument("--impls", nargs="+",
+                   default=["sdpa_flash", "ours_pipe", "ours_mma", "ours_smem", "sdpa_cudnn", "cupy_naive"],
+                   help="bwd: ours_pipe, ours_mma, ours_smem, sdpa_flash, sdpa_cudnn, cupy_naive (differences "
+                   "against the first)")
     p.add_argument("--d", nargs="+", type=int, default=[128])
     p.add_argument("--n", nargs="+", type=int, default=[4096, 16384], help="bwd/memory: sequence lengths")
     p.add_argument("--m", nargs="+", type=int, default=[4096, 16384, 65536], help="decode: cache lengths")
@@ -358,6 +380,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--repeat", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=200, help="train: optimiser steps")
     p.add_argument("--out", default=str(OUT_DIR))
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--table", metavar="JSON", help="print a recorded file and exit (no GPU)")
@@ -377,6 +400,8 @@ def format_rows(rows: list[dict]) -> str:
             pct = f"{100 * r['tflops'] / f:6.1f}%" if f else "      -"
             lines.append(f"{r['impl']:<12} d={r['d']:<4} n={r['n']:<6} causal={r['causal']!s:<5} "
                          f"{r['median_ms']:9.3f} ms {r['tflops']:8.2f} TFLOP/s {pct} of sdpa_flash")
+        elif r["pass"] == "train":
+            lines.append(f"{r['impl']:<16} loss {r['losses'][0]:.3f} -> {r['final_loss']:.4f} after {r['steps']} steps")
         elif r["pass"] == "decode":
             lines.append(f"{r['impl']:<16} m={r['m']:<7} splits={r.get('num_splits', '-')!s:<5} "
                          f"{r['median_ms'] * 1e3:9.1f} us {r['gbps']:8.0f} GB/s {r['x_read_once']:6.2f}x read-once")
@@ -411,10 +436,15 @@ def main(argv: list[str] | None = None) -> int:
             import torch  # noqa: F401
         except ImportError:
             args.impls = [i for i in args.impls if not i.startswith("sdpa")]
+    if args.what == "train":
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise SystemExit("bench8 train needs PyTorch (the toy model is a torch module)") from None
     prov = _provenance(argv)
     print(f"# {prov['gpu']}  CuPy {prov['cupy']}  torch {prov.get('torch')}  {prov['date_utc']}")
     rows: list[dict] = []
-    {"bwd": run_bwd, "decode": run_decode, "memory": run_memory}[args.what](args, rows)
+    {"bwd": run_bwd, "decode": run_decode, "memory": run_memory, "train": run_train}[args.what](args, rows)
     print()
     print(format_rows(rows))
     if not args.no_write:
