@@ -147,11 +147,20 @@ def _check_backward(rng, dt, B, H, Hk, n, m, d, causal, *, scale=None, magnitude
     cp.cuda.Device().synchronize()
     got = [tga._from_gpu(x, dt) for x in got]
     what = f"{kernel} {dt} B={B} H={H} Hk={Hk} n={n} m={m} d={d} causal={causal} magnitude={magnitude}"
+    # Recomputation's own price at huge logits: P = exp(S_bwd - L_fwd) subtracts two fp32 results of size |S| made
+    # by different kernels in different summation orders; their difference, about sqrt(d) 2^-24 |S| (a random-walk
+    # rounding estimate), comes back as a relative error of P. The naive emulation computes S once and does not
+    # pay it. At |S| ~ 5 it is negligible; in the huge-logit test (|S| up to 4.5e3) the estimate is 3e-3 relative,
+    # and the H200 showed 8e-4 (the scalar kernel's f16 dv: 4.9e-3 against naive 2.0e-3 at |dv| = 5.8).
+    kk = np.repeat(k, H // Hk, axis=-3) if B and H != Hk else k  # GQA: each query head's own K/V head
+    s_max = float(np.abs(reference.scores(q.astype(np.float64), kk.astype(np.float64), scale=sc)).max(initial=0))
+    recompute = np.sqrt(d) * 2.0**-24 * s_max
     for name, g, w, nv in zip(("dq", "dk", "dv"), got, want, naive, strict=True):
         assert g.shape == w.shape, (name, g.shape, w.shape)
         assert np.isfinite(g).all(), f"nan/inf in {name}: {what}"
         err, err_nv = tga._err(g, w), tga._err(nv, w)
-        assert err <= 2 * err_nv + 1e-6 + 1e-5 * float(np.abs(w).max(initial=0)), (name, what, err, err_nv)
+        w_max = float(np.abs(w).max(initial=0))
+        assert err <= 2 * err_nv + 1e-6 + (1e-5 + recompute) * w_max, (name, what, err, err_nv, recompute)
     return got
 
 
