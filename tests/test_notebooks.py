@@ -24,6 +24,19 @@ def test_committed_without_outputs(path):
     assert not dirty, f"{path.name}: cells {dirty} hold outputs or execution counts; strip them before committing"
 
 
+@pytest.mark.parametrize("path", ALL_NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_notebook_is_valid_nbformat(path):
+    """Valid against its nbformat schema, with unique cell ids (nbformat 4.5+ requires them; a missing one is a
+    warning today and an error in future nbformat versions)."""
+    nbformat = pytest.importorskip("nbformat")
+    nb = json.loads(path.read_text())
+    nbformat.validate(nbformat.from_dict(nb))
+    if (nb["nbformat"], nb["nbformat_minor"]) >= (4, 5):
+        ids = [c.get("id") for c in nb["cells"]]
+        assert None not in ids, f"{path.name}: cells {[i for i, x in enumerate(ids) if x is None]} have no id"
+        assert len(set(ids)) == len(ids), f"{path.name}: duplicate cell ids"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
 def test_chapter_executes_on_cpu(path):

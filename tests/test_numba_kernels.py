@@ -163,10 +163,11 @@ def test_workspace_account_is_small():
 
 
 # --------------------------------------------------------------------------- numba.cuda kernel in the simulator
-def _in_simulator(code: str, timeout: float = 300) -> dict:
-    """Run ``code`` in a fresh Python with the CUDA simulator on; it must print one JSON line last."""
+def _in_simulator(code: str, timeout: float = 300, seed: int = 0) -> dict:
+    """Run ``code`` in a fresh Python with the CUDA simulator on (``SEED`` = seed); it must print one JSON line last."""
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     script = "import json, time\nimport numpy as np\nfrom flashlab import numba_kernels as nk, reference\n"
+    script += f"SEED = {seed}\n"
     script += "nk.use_simulator()\n" + textwrap.dedent(code)
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -302,9 +303,9 @@ def test_cuda_forward_on_gpu_matches_reference(dtype, causal):
 
 
 # ---------------------------------------------------------------------------------- lab 05's diagnoses
-def test_lab05_names_each_classic_kernel_mistake():
+def test_lab05_names_each_classic_kernel_mistake(rng):
     """Variants of the solution's kernel, each with one classic mistake, graded by lab 05 in the simulator."""
-    res = _in_simulator("""
+    res = _in_simulator(seed=int(rng.integers(2**31)), code="""
         import math
         import nbformat
         from numba import cuda, float64
@@ -330,12 +331,12 @@ def test_lab05_names_each_classic_kernel_mistake():
             assert name == "solution" or src != kernel_src, name
             ns = {"cuda": cuda, "float64": float64, "math": math, "np": np}
             exec(compile(src, name, "exec"), ns)
-            r = run_question("lab05", "q1", [ns["make_kernel"]])
+            r = run_question("lab05", "q1", [ns["make_kernel"]], seed=SEED)
             out[name] = [r.score, r.max_score, r.feedback]
         for name, src in {"launch": launch_src, "floor_grid": launch_src.replace("(n + BLOCK_Q - 1)", "n")}.items():
             ns = {"cuda": cuda, "math": math, "np": np}
             exec(compile(src, name, "exec"), ns)
-            r = run_question("lab05", "q2", [ns["run_kernel"]])
+            r = run_question("lab05", "q2", [ns["run_kernel"]], seed=SEED)
             out[name] = [r.score, r.max_score, r.feedback]
         print(json.dumps(out))
     """)
