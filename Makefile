@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup lab test test-gpu html slides release grade bench lint clean
+.PHONY: setup lab test test-gpu html slides release grade bench bench8 lint clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,16 @@ grade: setup
 
 bench: setup
 	$(BIN)/python -m flashlab bench
+
+# Chapter 8's recorded runs (data/ch8/), as recorded on the H200; then put the new kernels under the sanitizers.
+bench8: setup
+	$(BIN)/python -m flashlab.gpu.bench8 bwd --n 4096 16384 --causal no --repeat 20 --warmup 3 \
+	    --impls sdpa_flash ours_pipe ours_mma sdpa_cudnn
+	$(BIN)/python -m flashlab.gpu.bench8 decode --m 65536 --splits 4 16 20 41 64 128 256 --repeat 20 --warmup 3
+	$(BIN)/python -m flashlab.gpu.bench8 memory --n 1024 4096 16384
+	$(BIN)/python -m flashlab.gpu.bench8 train --steps 400
+	compute-sanitizer --tool memcheck $(BIN)/python -m flashlab.gpu.bench8 selfcheck
+	compute-sanitizer --tool racecheck $(BIN)/python -m flashlab.gpu.bench8 selfcheck
 
 lint: setup
 	$(BIN)/ruff check flashlab tests
