@@ -19,6 +19,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 
 import numpy as np
 
@@ -33,6 +34,29 @@ def load_recorded(name: str) -> dict:
         if path.exists():
             return json.loads(path.read_text())
     raise FileNotFoundError(f"no recorded result {name!r} under {DATA_DIR}/benchmarks or {DATA_DIR}/ncu")
+
+
+def print_recorded(path: str | pathlib.Path, format_rows: Callable[[list[dict]], str]) -> None:
+    """``--table FILE`` of the benchmark scripts: a recorded file's provenance line, then its rows formatted."""
+    data = json.loads(pathlib.Path(path).read_text())
+    prov = data["provenance"]
+    print(f"{prov['gpu']}, {prov['date_utc']}, `{prov['command']}`\n")
+    print(format_rows(data["rows"]))
+
+
+def check_repeat(repeat: int) -> None:
+    if repeat < 20:
+        raise SystemExit("--repeat must be at least 20 (CONVENTIONS: medians of >= 20 runs)")
+
+
+def write_record(out_dir: str | pathlib.Path, name: str, provenance: dict, rows: list[dict]) -> pathlib.Path:
+    """One run's table as OUT_DIR/NAME.json: {"provenance": ..., "rows": ...}."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps({"provenance": provenance, "rows": rows}, indent=1) + "\n")
+    print(f"\nwrote {path}")
+    return path
 SLOW_RUNGS = ("scalar", "smem_tiles")
 
 
@@ -195,13 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     if args.table:
-        data = json.loads(pathlib.Path(args.table).read_text())
-        prov = data["provenance"]
-        print(f"{prov['gpu']}, {prov['date_utc']}, `{prov['command']}`\n")
-        print(ladder_markdown(data["rows"]) + "\n\n" + markdown_table(data["rows"]))
+        print_recorded(args.table, lambda rows: ladder_markdown(rows) + "\n\n" + markdown_table(rows))
         return 0
-    if args.repeat < 20:
-        raise SystemExit("--repeat must be at least 20 (CONVENTIONS: medians of >= 20 runs)")
+    check_repeat(args.repeat)
     try:
         import cupy as cp
     except ImportError:
@@ -274,11 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in r:
             print(f"{r['impl']:<12} {r['d']:>4} {r['n']:>6} {r['causal']!s:>6}  {r['error'][:80]}")
     if not args.no_write:
-        out = pathlib.Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / f"{args.name}.json"
-        path.write_text(json.dumps({"provenance": prov, "rows": rows}, indent=1) + "\n")
-        print(f"\nwrote {path}")
+        write_record(args.out, args.name, prov, rows)
     return 0
 
 

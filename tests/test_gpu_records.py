@@ -100,3 +100,14 @@ def test_chapter8_records_have_provenance_and_consistent_rows(path):
         else:
             assert r["pass"] == "memory" and r["kept_bytes"] > 0 and r["backward_extra_bytes"] >= 0, r
     assert bench8.format_rows(data["rows"])  # what chapter 8 prints
+
+
+def test_write_record_and_print_recorded_round_trip(tmp_path, capsys):
+    prov = {"gpu": "G", "date_utc": "D", "command": "python -m flashlab bench"}
+    path = bench.write_record(tmp_path / "sub", "x", prov, [{"impl": "a"}])
+    assert json.loads(path.read_text()) == {"provenance": prov, "rows": [{"impl": "a"}]}
+    bench.print_recorded(path, lambda rows: "|".join(r["impl"] for r in rows))
+    out = capsys.readouterr().out
+    assert "G, D, `python -m flashlab bench`" in out and out.rstrip().endswith("a")
+    with pytest.raises(SystemExit, match="at least 20"):
+        bench.check_repeat(19)

@@ -188,6 +188,12 @@ def _module(file: str, source: str, defines: tuple[str, ...]):
     return _cupy().RawModule(code=source, options=("--std=c++17", *defines))
 
 
+def _file_module(file: str):
+    """The compiled module of kernels/FILE (no defines); the file is read on each call so that an edit recompiles,
+    and ``_module`` returns the module already built for an unchanged text."""
+    return _module(file, (KERNEL_DIR / file).read_text(), ())
+
+
 def get_kernel(rung: Rung, dtype: str, d: int):
     """The compiled kernel of ``rung`` for one dtype and head dimension, ready to launch."""
     kern = _module(rung.file, rung.source(), rung.defines).get_function(f"attn_fwd_{dtype}_d{d}")
@@ -248,6 +254,18 @@ def _check_inputs(q, k, v, bf16: bool):
         if not x.flags.c_contiguous:
             raise ValueError(f"{name} must be C-contiguous (use cupy.ascontiguousarray); got strides {x.strides}")
     return dts.pop()
+
+
+def _check_half_launch(what: str, dt: str, arrays: dict[str, Any]) -> None:
+    """What chapter 8's kernels need beyond ``_check_inputs``: 16-bit inputs, sm_80 (bf16 conversions, mma.sync)
+    and arrays that start on 16 bytes (every load is 16 bytes wide)."""
+    if dt == "f32":
+        raise TypeError(f"{what} takes float16 or (with bf16=True) bfloat16 bits in uint16; got float32")
+    if compute_capability() < 80:
+        raise ValueError(f"{what} needs sm_80 or newer; this GPU is sm_{compute_capability()}")
+    for name, x in arrays.items():
+        if x.data.ptr % 16:
+            raise ValueError(f"{name} must start on a 16-byte boundary (the kernel loads 16 bytes at a time)")
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kernel: str | Rung = "best",

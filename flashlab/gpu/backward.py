@@ -17,6 +17,7 @@ NumPy, for tests and chapter 8.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,25 +27,38 @@ KERNEL_FILE = "bwd_r1_smem.cu"  # kernels 1 and 3, and the scalar main kernel
 MMA_FILE = "bwd_r2_mma.cu"  # the main kernel on tensor cores
 PIPE_FILE = "bwd_r3_pipelined.cu"  # tensor cores, 128 keys per block, cp.async double buffering
 KERNEL_FILES = (KERNEL_FILE, MMA_FILE, PIPE_FILE)
-BLOCK_KEYS = 32  # keys per thread block (BC in bwd_r1_smem.cu)
-BLOCK_ROWS = 32  # query rows per tile (BR in both files)
-THREADS = 256
-MMA_BLOCK_KEYS, MMA_THREADS = 64, 128  # bwd_r2_mma.cu: BC, 32 * NWARPS
-PIPE_BLOCK_KEYS, PIPE_THREADS = 128, 256  # bwd_r3_pipelined.cu: BC, 32 * NWARPS
-KERNELS = ("smem", "mma", "pipe")
+BLOCK_KEYS = 32  # keys per thread block (BC in bwd_r1_smem.cu; the schedule numpy_backward follows)
+BLOCK_ROWS = 32  # query rows per tile (BR in every file)
+THREADS = 256  # threads of kernels 1 and 3
+
+
+@dataclass(frozen=True)
+class MainKernel:
+    """A main kernel: its file, function stem, keys per block (BC), threads, and the Q/dO tile buffers it keeps in
+    dynamic shared memory (0: static shared memory only)."""
+
+    file: str
+    stem: str
+    block_keys: int
+    threads: int
+    stages: int = 0
+
+    def shared_bytes(self, d: int) -> int:
+        """Dynamic shared memory: K, V and `stages` Q and dO tiles (rows padded to d + 8), dS^T, and `stages` L
+        and D vectors."""
+        if not self.stages:
+            return 0
+        tiles = (2 * self.block_keys + 2 * self.stages * BLOCK_ROWS) * (d + 8) * 2
+        return tiles + self.block_keys * (BLOCK_ROWS + 8) * 2 + 2 * self.stages * BLOCK_ROWS * 4
+
+
+MAIN_KERNELS = {
+    "smem": MainKernel(KERNEL_FILE, "bwd_main", BLOCK_KEYS, THREADS),
+    "mma": MainKernel(MMA_FILE, "bwd_mma", 64, 128, stages=1),
+    "pipe": MainKernel(PIPE_FILE, "bwd_pipe", 128, 256, stages=2),
+}
+KERNELS = tuple(MAIN_KERNELS)
 DEFAULT_KERNEL = "pipe"  # the fastest kernel measured on a GPU (data/ch8/bwd.json: 0.57x sdpa_flash; "mma" 0.42x)
-
-
-def mma_shared_bytes(d: int) -> int:
-    """Dynamic shared memory of bwd_r2_mma.cu: K, V, Q, dO tiles (rows padded to d + 8), dS^T, L and D."""
-    tiles = (2 * MMA_BLOCK_KEYS + 2 * BLOCK_ROWS) * (d + 8) * 2
-    return tiles + MMA_BLOCK_KEYS * (BLOCK_ROWS + 8) * 2 + 2 * BLOCK_ROWS * 4
-
-
-def pipe_shared_bytes(d: int) -> int:
-    """Dynamic shared memory of bwd_r3_pipelined.cu: K, V, two Q and two dO tiles, dS^T, two L and two D."""
-    tiles = (2 * PIPE_BLOCK_KEYS + 4 * BLOCK_ROWS) * (d + 8) * 2
-    return tiles + PIPE_BLOCK_KEYS * (BLOCK_ROWS + 8) * 2 + 4 * BLOCK_ROWS * 4
 
 
 def numpy_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: float | None = None):
@@ -85,17 +99,13 @@ def numpy_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: float | 
 
 
 def _kernels(dt: str, d: int, kernel: str):
-    from . import KERNEL_DIR, STATIC_SMEM_LIMIT, _module
+    from . import STATIC_SMEM_LIMIT, _file_module
 
-    mod = _module(KERNEL_FILE, (KERNEL_DIR / KERNEL_FILE).read_text(), ())
-    if kernel in ("mma", "pipe"):
-        file, name, smem = ((MMA_FILE, "bwd_mma", mma_shared_bytes(d)) if kernel == "mma"
-                            else (PIPE_FILE, "bwd_pipe", pipe_shared_bytes(d)))
-        main = _module(file, (KERNEL_DIR / file).read_text(), ()).get_function(f"{name}_{dt}_d{d}")
-        if smem > STATIC_SMEM_LIMIT:
-            main.max_dynamic_shared_size_bytes = smem
-    else:
-        main = mod.get_function(f"bwd_main_{dt}_d{d}")
+    mod = _file_module(KERNEL_FILE)
+    mk = MAIN_KERNELS[kernel]
+    main = _file_module(mk.file).get_function(f"{mk.stem}_{dt}_d{d}")
+    if mk.shared_bytes(d) > STATIC_SMEM_LIMIT:
+        main.max_dynamic_shared_size_bytes = mk.shared_bytes(d)
     return mod.get_function(f"bwd_dot_{dt}_d{d}"), main, mod.get_function(f"bwd_dq_{dt}")
 
 
@@ -113,7 +123,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: floa
     are rounded to 16 bits before their products, as in FlashAttention-2) or "pipe" ("mma" with 128 keys per block
     and cp.async double buffering); the default is DEFAULT_KERNEL.
     """
-    from . import _check_inputs, _cupy, compute_capability
+    from . import _check_half_launch, _check_inputs, _cupy
 
     cp = _cupy()
     if not isinstance(causal, (bool, np.bool_)):
@@ -121,8 +131,6 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: floa
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
     dt = _check_inputs(q, k, v, bf16)
-    if dt == "f32":
-        raise TypeError("attention_backward takes float16 or (with bf16=True) bfloat16 bits in uint16; got float32")
     for name, x in (("o", o), ("do", do)):
         if not isinstance(x, cp.ndarray):
             raise TypeError(f"{name} must be a CuPy array on the GPU; got {type(x).__module__}.{type(x).__name__}")
@@ -133,13 +141,9 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: floa
     if not (isinstance(lse, cp.ndarray) and lse.dtype == cp.float32 and lse.shape == q.shape[:-1]
             and lse.flags.c_contiguous):
         raise ValueError(f"lse must be the forward's C-contiguous float32 array of shape {q.shape[:-1]}")
-    for name, x in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do)):
-        if x.data.ptr % 16:
-            raise ValueError(f"{name} must start on a 16-byte boundary (the kernel loads 16 bytes at a time)")
+    _check_half_launch("attention_backward", dt, {"q": q, "k": k, "v": v, "o": o, "do": do})
     d = q.shape[-1]
     scale = check_scale(scale, d)
-    if compute_capability() < 80:
-        raise ValueError(f"attention_backward needs sm_80 or newer; this GPU is sm_{compute_capability()}")
 
     B, H, n = (1, 1, q.shape[0]) if q.ndim == 2 else q.shape[:3]
     Hk, m = (1, k.shape[0]) if k.ndim == 2 else k.shape[1:3]
@@ -151,12 +155,8 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: floa
     dot((math.ceil(rows / (THREADS // 32)),), (THREADS,), (o, do, dvec, np.int32(rows)))
     args = (q, k, v, do, lse, dvec, dq_acc, dk, dv, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk),
             np.float32(scale), np.int32(bool(causal)))
-    if kernel == "mma":
-        main((math.ceil(m / MMA_BLOCK_KEYS), Hk, B), (MMA_THREADS,), args, shared_mem=mma_shared_bytes(d))
-    elif kernel == "pipe":
-        main((math.ceil(m / PIPE_BLOCK_KEYS), Hk, B), (PIPE_THREADS,), args, shared_mem=pipe_shared_bytes(d))
-    else:
-        main((math.ceil(m / BLOCK_KEYS), Hk, B), (THREADS,), args)
+    mk = MAIN_KERNELS[kernel]
+    main((math.ceil(m / mk.block_keys), Hk, B), (mk.threads,), args, shared_mem=mk.shared_bytes(d))
     total = dq_acc.size
     dq_convert((math.ceil(total / THREADS),), (THREADS,), (dq_acc, dq, np.float32(scale), np.int64(total)))
     return dq, dk, dv

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
-import pathlib
 import shlex
 import statistics
 import sys
@@ -416,15 +414,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     if args.table:
-        data = json.loads(pathlib.Path(args.table).read_text())
-        prov = data["provenance"]
-        print(f"{prov['gpu']}, {prov['date_utc']}, `{prov['command']}`\n")
-        print(format_rows(data["rows"]))
+        bench.print_recorded(args.table, format_rows)
         return 0
     if args.what == "selfcheck":
         return 1 if selfcheck() else 0
-    if args.repeat < 20:
-        raise SystemExit("--repeat must be at least 20 (CONVENTIONS: medians of >= 20 runs)")
+    bench.check_repeat(args.repeat)
     try:
         import cupy  # noqa: F401
     except ImportError:
@@ -448,11 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_rows(rows))
     if not args.no_write:
-        out = pathlib.Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / f"{args.name or args.what}.json"
-        path.write_text(json.dumps({"provenance": prov, "rows": rows}, indent=1) + "\n")
-        print(f"\nwrote {path}")
+        bench.write_record(args.out, args.name or args.what, prov, rows)
     return 0
 
 

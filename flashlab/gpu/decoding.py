@@ -136,14 +136,13 @@ def resolve_num_splits(batch: int, heads: int, kv_heads: int, n: int, m: int, nu
 
 # ------------------------------------------------------------------------------------------------ GPU: launch
 def _kernels(dt: str, d: int, kernel: str, rows: int):
-    from . import KERNEL_DIR, _module
+    from . import _file_module
 
-    mod = _module(KERNEL_FILE, (KERNEL_DIR / KERNEL_FILE).read_text(), ())
+    mod = _file_module(KERNEL_FILE)
     merge = mod.get_function(f"decode_merge_{dt}_d{d}")
     if kernel == "rows":
         return mod.get_function(f"decode_split_{dt}_d{d}"), merge
-    keys = _module(KEYS_FILE, (KERNEL_DIR / KEYS_FILE).read_text(), ())
-    return keys.get_function(f"decode_keys_{dt}_d{d}_r{rows}"), merge
+    return _file_module(KEYS_FILE).get_function(f"decode_keys_{dt}_d{d}_r{rows}"), merge
 
 
 def _lengths_array(lengths, B: int, m: int):
@@ -178,7 +177,7 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     key (its o is 0). ``return_partials=True`` also returns the fp32 partials (o_parts (B, H, n, S, d),
     lse_parts (B, H, n, S)) for teaching and tests.
     """
-    from . import _check_inputs, _cupy, compute_capability
+    from . import _check_half_launch, _check_inputs, _cupy
 
     cp = _cupy()
     if not isinstance(causal, (bool, np.bool_)):
@@ -186,15 +185,9 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}; got {kernel!r}")
     dt = _check_inputs(q, k_cache, v_cache, bf16)
-    if dt == "f32":
-        raise TypeError("decode takes float16 or (with bf16=True) bfloat16 bits in uint16; got float32")
+    _check_half_launch("decode", dt, {"q": q, "k_cache": k_cache, "v_cache": v_cache})
     d = q.shape[-1]
     scale = check_scale(scale, d)
-    if compute_capability() < 80:
-        raise ValueError(f"decode needs sm_80 or newer; this GPU is sm_{compute_capability()}")
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if x.data.ptr % 16:
-            raise ValueError(f"{name} must start on a 16-byte boundary (the kernel loads 16 bytes at a time)")
     q4 = q if q.ndim == 4 else q.reshape(1, 1, *q.shape)
     k4 = k_cache if k_cache.ndim == 4 else k_cache.reshape(1, 1, *k_cache.shape)
     v4 = v_cache if v_cache.ndim == 4 else v_cache.reshape(1, 1, *v_cache.shape)

@@ -239,31 +239,25 @@ def host_source(cu_text: str) -> str:
         src = re.sub(pattern, repl, src)
     if "asm" in re.sub(r"//.*", "", src):
         raise ValueError("inline PTX the host emulation does not know is left in this kernel file")
-    names = []
-    for macro in re.finditer(r"DEFINE_KERNELS\((\w+), \w+, (\d+)\)", src):
-        dt, d = macro.groups()
-        body = src[src.index("#define DEFINE_KERNELS"):src.index("\nDEFINE_KERNELS(")]
-        names += [f"{stem}_{dt}_d{d}" for stem in re.findall(r"(\w+)_##DT##_d##D\(", body)]
-    names += re.findall(r'extern "C" __global__ void __launch_bounds__\(\w+\) (\w+)\(', src)
-    names += re.findall(r"^DEFINE_KERNEL\((\w+), \w+, \d+\)", src, flags=re.M)
-    names += _expanded_kernel_names(src)
-    names = [n for n in dict.fromkeys(names) if not n.isupper()]  # not a macro's parameter (NAME)
+    names = _kernel_names(src)
+    if not names:
+        raise ValueError('no extern "C" __global__ kernel found in this kernel file')
     exports = "\n".join(f'extern "C" void launch_{n}(unsigned gx, unsigned gy, unsigned gz, unsigned bx, void** a) '
                         f"{{ launch({n}, gx, gy, gz, bx, a); }}" for n in names)
     return HEADER + src + "\n" + exports + "\n"
 
 
-def _expanded_kernel_names(src: str) -> list[str]:
-    """Kernel names after the preprocessor has expanded the file's macros (for kernels a macro defines in a
-    pattern the regular expressions above do not know, e.g. one per (dtype, d, rows))."""
+def _kernel_names(src: str) -> list[str]:
+    """Every ``extern "C" __global__`` kernel, read after the preprocessor has expanded the file's macros (the
+    files define their kernels through macros, one per dtype, d or row count)."""
     cpp = shutil.which("g++")
-    if cpp is None or "#define" not in src:
-        return []
+    if cpp is None:
+        raise RuntimeError("the host emulation needs g++ (C++20, with <barrier>)")
     res = subprocess.run([cpp, "-E", "-P", "-x", "c++", "-D__launch_bounds__(...)=", "-"], input=src,
                          capture_output=True, text=True)
     if res.returncode:
-        return []
-    return re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(', res.stdout)
+        raise RuntimeError(f"the preprocessor failed on a kernel file:\n{res.stderr[-4000:]}")
+    return list(dict.fromkeys(re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(', res.stdout)))
 
 
 @functools.lru_cache(maxsize=None)

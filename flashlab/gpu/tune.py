@@ -8,8 +8,6 @@ default rung's output. Writes data/benchmarks/tune_RUNG.json with provenance unl
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import statistics
 import sys
 
@@ -82,10 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                 del q, k, v, ref
                 cp.get_default_memory_pool().free_all_blocks()
     if not args.no_write:
-        path = pathlib.Path(args.out) / f"tune_{args.rung}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"provenance": prov, "rows": rows}, indent=1) + "\n")
-        print(f"wrote {path}")
+        bench.write_record(args.out, f"tune_{args.rung}", prov, rows)
     return 0
 
 
