@@ -773,10 +773,10 @@ def _lab06_demo() -> Demo:
     )
 
 
-def _lab07():
-    from .grading import lab07
+def _lab08():
+    from .grading import lab08
 
-    return lab07
+    return lab08
 
 
 def _partials_demo() -> Demo:
@@ -790,7 +790,7 @@ def _partials_demo() -> Demo:
              (np.zeros((1, 2, 1)), np.array([[-np.inf, -np.inf]]))),
         ],
         run=lambda fn, args: fn(*args),
-        right=lambda args: _lab07()._merge(*args),
+        right=lambda args: _lab08()._merge(*args),
         names=("o", "lse"),
     )
 
@@ -804,7 +804,7 @@ def _splits_demo() -> Demo:
         examples=[("n = 1, m = 10 keys, d = 2, 4 splits (L = 3: the last split holds 1 key)", (*qkv(10, 9), 4)),
                   ("n = 1, m = 5 keys, 4 splits (L = 2: the last split is empty)", (*qkv(5, 10), 4))],
         run=lambda fn, args: fn(*args),
-        right=lambda args: _lab07()._split_truth(*args),
+        right=lambda args: _lab08()._split_truth(*args),
         names=("o_parts", "lse_parts"),
     )
 
@@ -813,7 +813,7 @@ def _cache_bytes_demo() -> Demo:
     return Demo(
         examples=[("batch = 1, kv_heads = 8, m = 128000, d = 128, bf16 (2 bytes)", (1, 8, 128_000, 128, 2))],
         run=lambda fn, args: fn(*args),
-        right=lambda args: _lab07()._bytes(*args),
+        right=lambda args: _lab08()._bytes(*args),
         names=("bytes",),
     )
 
@@ -838,9 +838,9 @@ DEMOS: dict[tuple[str, str], Callable[[], Demo]] = {
     ("lab05", "LAUNCH_MUTANTS"): _launch_demo,
     ("lab05", "q1"): _kernel_demo,
     ("lab06", "MUTANTS"): _lab06_demo,
-    ("lab07", "MERGE_MUTANTS"): _partials_demo,
-    ("lab07", "SPLIT_MUTANTS"): _splits_demo,
-    ("lab07", "BYTES_MUTANTS"): _cache_bytes_demo,
+    ("lab08", "MERGE_MUTANTS"): _partials_demo,
+    ("lab08", "SPLIT_MUTANTS"): _splits_demo,
+    ("lab08", "BYTES_MUTANTS"): _cache_bytes_demo,
 }
 
 

@@ -294,23 +294,23 @@ def test_decode_bad_inputs_get_clear_errors():
         fgpu.decode(x, x[:, :1].repeat(3, axis=1), x[:, :1].repeat(3, axis=1))
 
 
-# ------------------------------------------------------------------------------------ lab 07: grading diagnoses
+# ------------------------------------------------------------------------------------ lab 08: grading diagnoses
 @pytest.mark.parametrize("question,mutants", [("q1", "MERGE_MUTANTS"), ("q2", "SPLIT_MUTANTS"),
                                               ("q3", "BYTES_MUTANTS")])
-def test_lab07_mutants_lose_points_and_are_named(question, mutants):
-    from flashlab.grading import lab07, run_question
+def test_lab08_mutants_lose_points_and_are_named(question, mutants):
+    from flashlab.grading import lab08, run_question
 
-    full = lab07.LAB.questions[question].points
-    for mutant in getattr(lab07, mutants):
-        result = run_question("lab07", question, [mutant.fn])
+    full = lab08.LAB.questions[question].points
+    for mutant in getattr(lab08, mutants):
+        result = run_question("lab08", question, [mutant.fn])
         assert result.score < full, mutant.message
         assert mutant.message[:60] in result.feedback, (mutant.message, result.feedback)
 
 
-def test_lab07_package_merge_scores_full_marks():
+def test_lab08_package_merge_scores_full_marks():
     from flashlab.grading import run_question
 
     def merge(o_parts, lse_parts):
         return decoding.merge_partials(o_parts, lse_parts)
 
-    assert run_question("lab07", "q1", [merge]).score == 4
+    assert run_question("lab08", "q1", [merge]).score == 4

@@ -1,4 +1,4 @@
-"""Lab 07 — split-KV decoding: the partials of each key split and their merge.
+"""Lab 08 — split-KV decoding: the partials of each key split and their merge.
 
 q1 ``merge_partials(o_parts, lse_parts) -> (o, lse)``: rows x splits partials (each o_s normalised over its own
 keys, lse_s its logsumexp) merged into the attention of the whole row. Checked on partials made from real splits
@@ -22,7 +22,7 @@ import numpy as np
 from .. import reference
 from .core import Case, Lab, Mutant, Trial
 
-LAB = Lab("lab07", "Split-KV decoding: partials and their merge")
+LAB = Lab("lab08", "Split-KV decoding: partials and their merge")
 
 
 # ------------------------------------------------------------------------------------------- truth and helpers
