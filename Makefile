@@ -1,10 +1,13 @@
-# Every target bootstraps .venv from requirements.txt by itself: `make lab` or `make test` on a fresh clone is enough.
+# Every target bootstraps .venv by itself: `make lab` or `make test` on a fresh clone is enough.
+# `make lab` installs what a student needs (requirements.txt); test, lint, html and slides add the contributor
+# tooling (requirements-dev.txt) on top.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
+DEV_STAMP := $(VENV)/.installed-dev-stamp
 
-.PHONY: setup lab test test-gpu html slides release grade bench bench8 lint clean
+.PHONY: setup dev lab test test-gpu html slides release grade bench bench8 lint clean
 
 setup: $(STAMP)
 
@@ -16,22 +19,28 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
+dev: $(DEV_STAMP)
+
+$(DEV_STAMP): $(STAMP) requirements-dev.txt
+	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
+	touch $(DEV_STAMP)
+
 # Jupyter refuses to start as root (containers, some cloud VMs) unless told to.
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 
 lab: setup
 	$(BIN)/jupyter lab $(LAB_ARGS) notebooks/
 
-test: setup
+test: dev
 	$(BIN)/python -m pytest -q
 
-test-gpu: setup
+test-gpu: dev
 	$(BIN)/python -m pytest -q -m gpu
 
-html: setup
+html: dev
 	$(BIN)/python -m flashlab html --out build/html
 
-slides: setup
+slides: dev
 	$(BIN)/python -m flashlab slides --out build/slides
 
 release: setup
@@ -53,7 +62,7 @@ bench8: setup
 	compute-sanitizer --tool memcheck $(BIN)/python -m flashlab.gpu.bench8 selfcheck
 	compute-sanitizer --tool racecheck $(BIN)/python -m flashlab.gpu.bench8 selfcheck
 
-lint: setup
+lint: dev
 	$(BIN)/ruff check flashlab tests
 
 clean:

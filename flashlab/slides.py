@@ -26,7 +26,7 @@ def install_reveal(out_dir: pathlib.Path) -> str:
     try:
         import sphinx_revealjs
     except ImportError as exc:  # a clear message instead of a template error
-        raise SystemExit("make slides needs the sphinx-revealjs package (requirements.txt): run `make setup`") from exc
+        raise SystemExit("slides need the sphinx-revealjs package (requirements-dev.txt): run `make dev`") from exc
     source = pathlib.Path(sphinx_revealjs.__file__).parent / "_static" / "revealjs"
     shutil.copytree(source, out_dir / "reveal.js", dirs_exist_ok=True)
     return "reveal.js"
