@@ -8,6 +8,7 @@ fp32. The GPU path runs the package's forward (``flashlab.gpu.attention``) to ge
 
 from __future__ import annotations
 
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from flashlab import reference
 from flashlab.gpu import backward as gbwd
 
 PRIMES = (2, 3, 5, 7, 13, 31, 61, 67, 127, 131, 257)
+HOSTEMU = pathlib.Path(__file__).resolve().parents[1] / "tools" / "hostemu" / "hostemu.py"
 
 
 # ---------------------------------------------------------------------------------------------- CPU-side checks
@@ -75,9 +77,9 @@ def test_backward_imports_without_cupy_and_says_so_when_called(monkeypatch):
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the host emulation of the kernels needs g++")
 def test_kernels_pass_the_selfcheck_under_the_host_emulation():
-    """The CUDA kernels themselves, compiled for the CPU by flashlab.gpu.hostemu: real index arithmetic, barriers
-    and shuffles (no timing, no race detection), against float64."""
-    res = subprocess.run([sys.executable, "-m", "flashlab.gpu.hostemu", "--selfcheck", "--quick"],
+    """The CUDA kernels themselves, compiled for the CPU by tools/hostemu: real index arithmetic, barriers and
+    shuffles (no timing, no race detection), against float64."""
+    res = subprocess.run([sys.executable, str(HOSTEMU), "--selfcheck", "--quick"],
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0 and "selfcheck: all ok" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
 
@@ -85,7 +87,7 @@ def test_kernels_pass_the_selfcheck_under_the_host_emulation():
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the host emulation of the kernels needs g++")
 def test_host_emulation_runs_the_gpu_proven_tensor_core_forward():
     """Rung 9 (mma.sync, ldmatrix, cp.async; correct on an H200) under the emulation: checks the emulation itself."""
-    res = subprocess.run([sys.executable, "-m", "flashlab.gpu.hostemu", "--forward-check"],
+    res = subprocess.run([sys.executable, str(HOSTEMU), "--forward-check"],
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0 and "forward check: all ok" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
 

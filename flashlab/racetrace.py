@@ -1,0 +1,191 @@
+"""Watching shared memory in the CUDA simulator: which thread touched which element between which barriers.
+
+Inside :func:`trace_shared_memory`, every ``cuda.shared.array`` a simulated kernel allocates records who read and
+wrote which of its elements between which barriers, and :class:`SharedMemoryTrace` reports data races (two
+threads of one block touching the same element, one of them writing, with no barrier in between) whatever order
+the simulator happened to run the threads in. Lab 05's grader names a missing ``cuda.syncthreads()`` with it, and
+chapter 5 draws a kernel's accesses from it. The simulator is chosen as :mod:`flashlab.numba_cuda` explains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .numba_cuda import simulator_active
+
+
+@dataclass
+class SharedAccess:
+    """One access to a shared array: which block and thread, between which barriers (``epoch`` = barriers
+    this thread had passed), read or write, and the element's position."""
+
+    array: str
+    block: tuple
+    thread: tuple
+    epoch: int
+    write: bool
+    index: tuple
+
+
+@dataclass
+class Race:
+    """Two threads of one block touched one shared element in the same epoch, at least one of them writing."""
+
+    array: str
+    block: tuple
+    index: tuple
+    epoch: int
+    first: tuple  # (thread, "read"/"write")
+    second: tuple
+
+    def __str__(self) -> str:
+        def who(idx):
+            return f"thread {idx[0]}" if tuple(idx[1:]) == (0, 0) else f"thread {tuple(idx)}"
+
+        block = self.block[0] if tuple(self.block[1:]) == (0, 0) else tuple(self.block)
+        return (f"{who(self.first[0])} ({self.first[1]}) and {who(self.second[0])} ({self.second[1]}) of block "
+                f"{block} touched {self.array}{list(self.index)} with no syncthreads() between them")
+
+
+@dataclass
+class SharedMemoryTrace:
+    """What a simulated launch did to its shared arrays: allocations, accesses (if kept) and data races."""
+
+    shapes: dict = field(default_factory=dict)  # array name ("file:line") -> shape
+    dtypes: dict = field(default_factory=dict)  # array name -> dtype name
+    accesses: list = field(default_factory=list)
+    races: list = field(default_factory=list)
+    out_of_bounds: list = field(default_factory=list)  # (array, index, shape)
+    barriers: int = 0
+
+
+def _here():
+    th = threading.current_thread()
+    block = tuple(th.blockIdx) if hasattr(th, "blockIdx") else ()
+    thread = tuple(th.threadIdx) if hasattr(th, "threadIdx") else ()
+    return block, thread, getattr(th, "_flashlab_epoch", 0)
+
+
+class _TracedShared:
+    """Stands in for a simulator shared array; checks every access against the other threads' accesses."""
+
+    def __init__(self, data: np.ndarray, name: str, trace: SharedMemoryTrace, keep: bool, max_races: int):
+        self._data = data
+        self._name = name
+        self._trace = trace
+        self._keep = keep
+        self._max_races = max_races
+        self._positions = np.arange(data.size).reshape(data.shape)
+        self._lock = threading.Lock()
+        # per element: (block, thread, epoch) of the last write, and the readers in that element's epoch
+        self._writer: dict = {}
+        self._readers: dict = {}
+        self.shape, self.dtype, self.size, self.ndim = data.shape, data.dtype, data.size, data.ndim
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def _flat(self, index):
+        idx = index if isinstance(index, tuple) else (index,)
+        for k, i in enumerate(idx):
+            if isinstance(i, (int, np.integer)) and not (0 <= i < self._data.shape[k]):
+                self._trace.out_of_bounds.append((self._name, idx, self._data.shape))
+                raise IndexError(f"shared array {self._name} of shape {self._data.shape} indexed at {list(idx)}")
+        return np.atleast_1d(self._positions[index]).ravel()
+
+    def _record(self, index, write: bool):
+        block, thread, epoch = _here()
+        flats = self._flat(index)
+        with self._lock:
+            for f in flats.tolist():
+                key = (block, f)
+                w = self._writer.get(key)
+                if w is not None and w[1] == epoch and w[0] != thread:
+                    self._race(block, f, epoch, (w[0], "write"), (thread, "write" if write else "read"))
+                readers = self._readers.get(key)
+                if write:
+                    if readers and readers[0] == epoch:
+                        for r in readers[1]:
+                            if r != thread:
+                                self._race(block, f, epoch, (r, "read"), (thread, "write"))
+                                break
+                    self._writer[key] = (thread, epoch)
+                    self._readers[key] = (epoch, set())
+                else:
+                    if readers is None or readers[0] != epoch:
+                        readers = (epoch, set())
+                        self._readers[key] = readers
+                    readers[1].add(thread)
+            if self._keep:
+                pos = np.unravel_index(flats, self._data.shape)
+                for k in range(len(flats)):
+                    self._trace.accesses.append(
+                        SharedAccess(self._name, block, thread, epoch, write, tuple(int(p[k]) for p in pos)))
+
+    def _race(self, block, flat, epoch, first, second):
+        if len(self._trace.races) < self._max_races:
+            index = tuple(int(i) for i in np.unravel_index(flat, self._data.shape))
+            self._trace.races.append(Race(self._name, block, index, epoch, first, second))
+
+    def __getitem__(self, index):
+        self._record(index, write=False)
+        return self._data[index]
+
+    def __setitem__(self, index, value):
+        self._record(index, write=True)
+        self._data[index] = value
+
+
+@contextlib.contextmanager
+def trace_shared_memory(*, keep_accesses: bool = False, max_races: int = 20):
+    """Within this block, simulated kernels record their shared-memory use into the yielded trace.
+
+    Simulator only. A race is reported when two threads of one block access one element between the same two
+    barriers and one of them writes: exactly the accesses a GPU may run in either order. Because the check
+    compares barrier counts, not the order the simulator ran the threads in, it finds the same races on every
+    run. ``keep_accesses`` also keeps every access (for pictures; small launches only).
+    """
+    if not simulator_active():
+        raise RuntimeError("trace_shared_memory needs the CUDA simulator (call use_simulator() first)")
+    from numba.cuda.simulator import kernelapi  # imports numba.cuda too: the simulator, as checked above
+
+    trace = SharedMemoryTrace()
+    shared_cls, module_cls = kernelapi.FakeCUDAShared, kernelapi.FakeCUDAModule
+    original_array, original_sync = shared_cls.array, module_cls.syncthreads
+    allocation_lock = threading.Lock()
+
+    def array(self, shape, dtype, *args, **kwargs):
+        if shape == 0:  # dynamic shared memory: one untraced buffer, as the simulator has it
+            return original_array(self, shape, dtype, *args, **kwargs)
+        # The simulator keeps one array per source line of the kernel (its caller's frame); calling it from here
+        # would make every array this wrapper creates the same one, so allocate here, keyed the same way.
+        frame = sys._getframe(1)
+        key = (frame.f_code.co_filename, frame.f_lineno)
+        with allocation_lock:  # every thread of the block asks; exactly one may create the array
+            traced = self.__dict__.setdefault("_flashlab_traced", {})
+            if key not in traced:
+                data = kernelapi.FakeCUDALocal().array(shape, dtype)  # np.empty, with numba's dtype converted
+                name = f"{os.path.basename(key[0])}:{key[1]}"
+                trace.shapes[name] = tuple(data.shape)
+                trace.dtypes[name] = str(data.dtype)
+                traced[key] = _TracedShared(data, name, trace, keep_accesses, max_races)
+            return traced[key]
+
+    def syncthreads(self):
+        th = threading.current_thread()
+        th._flashlab_epoch = getattr(th, "_flashlab_epoch", 0) + 1
+        trace.barriers += 1
+        return original_sync(self)
+
+    shared_cls.array, module_cls.syncthreads = array, syncthreads
+    try:
+        yield trace
+    finally:
+        shared_cls.array, module_cls.syncthreads = original_array, original_sync
+
