@@ -98,6 +98,21 @@ def gpu_main(kind: str, argv: list[str], p: argparse.ArgumentParser, run: Callab
     return 0
 
 
+def timed_row(base: dict, ms: float, flop: float, repeat: int, err: float | None, diff_against: str | None,
+              extra_bytes: int) -> dict:
+    """A timed forward or backward row: ``base`` (impl, pass, shape) plus the median, TFLOP/s, the difference
+    against the reference implementation and the extra bytes CuPy's pool held after one call."""
+    return {**base, "median_ms": round(ms, 5), "tflops": round(flop / (ms * 1e-3) / 1e12, 3), "repeat": repeat,
+            "max_abs_diff": err, "diff_against": diff_against, "extra_bytes": int(extra_bytes)}
+
+
+def failed_row(base: dict, e: Exception) -> dict:
+    """A row whose run failed (out of memory, say): printed and recorded with its error; the table goes on."""
+    print(f"  {base['impl']:<12} d={base['d']} n={base['n']} causal={base['causal']}: {type(e).__name__}: "
+          f"{str(e)[:200]}")
+    return {**base, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+
+
 def error_line(row: dict) -> str:
     """A failed row (out of memory, say) in a printed table."""
     return f"{row['impl']:<12} {row.get('n')} {row.get('m', '')}  {row['error'][:80]}"

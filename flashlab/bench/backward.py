@@ -15,7 +15,7 @@ import sys
 
 from .. import records
 from ..gpu import backward
-from . import error_line, gpu_main, record_parser, training_kernel_hashes, without_torch
+from . import error_line, failed_row, gpu_main, record_parser, timed_row, training_kernel_hashes, without_torch
 from .forward import flop
 
 OUT_DIR = records.DATA_DIR / "ch8"
@@ -106,14 +106,11 @@ def run(args: argparse.Namespace, rows: list[dict]) -> None:
                         del grads
                         ms = records.median_ms(fn, args.repeat, args.warmup, kind=kind)
                     except Exception as e:  # noqa: BLE001 - e.g. out of memory: recorded, the table goes on
-                        print(f"  {name:<12} d={d} n={n} causal={causal}: {type(e).__name__}: {str(e)[:200]}")
-                        rows.append({**base, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                        rows.append(failed_row(base, e))
                         pool.free_all_blocks()
                         continue
                     f = bwd_flop(n, d, batch, args.heads, causal)
-                    rows.append({**base, "median_ms": round(ms, 5), "tflops": round(f / (ms * 1e-3) / 1e12, 3),
-                                 "repeat": args.repeat, "max_abs_diff": err, "diff_against": ref_name,
-                                 "extra_bytes": int(extra)})
+                    rows.append(timed_row(base, ms, f, args.repeat, err, ref_name, extra))
                     print(f"  {name:<12} d={d:<4} n={n:<6} causal={causal!s:<5} {ms:9.3f} ms "
                           f"{rows[-1]['tflops']:8.2f} TFLOP/s  max|diff vs {ref_name}|={err}", flush=True)
                 del q, k, v, do, ref

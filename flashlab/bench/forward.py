@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 from .. import records
-from . import gpu_main, record_parser, without_torch
+from . import failed_row, gpu_main, record_parser, timed_row, without_torch
 
 REFERENCES = ("cupy_naive", "sdpa_flash", "sdpa_cudnn")
 OUT_DIR = records.DATA_DIR / "benchmarks"
@@ -138,8 +138,7 @@ def run(args: argparse.Namespace, rows: list[dict]) -> None:
                         del out
                         ms = records.median_ms(fn, args.repeat, args.warmup, kind=kind)
                     except Exception as e:  # noqa: BLE001 - e.g. out of memory: recorded, the table goes on
-                        print(f"  {name:<12} d={d} n={n} causal={causal}: {type(e).__name__}: {str(e)[:200]}")
-                        rows.append({**base, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                        rows.append(failed_row(base, e))
                         pool.free_all_blocks()
                         continue
                     pool.free_all_blocks()
@@ -147,9 +146,7 @@ def run(args: argparse.Namespace, rows: list[dict]) -> None:
                     # extra_bytes: what CuPy's pool held after one call beyond before it (outputs, temporaries and the
                     # float32 copy of the output made for the check above;
                     # PyTorch's own allocator is not seen, so 0 for sdpa_*): about the call's peak working memory.
-                    rows.append({**base, "median_ms": round(ms, 5), "tflops": round(f / (ms * 1e-3) / 1e12, 3),
-                                 "repeat": args.repeat, "max_abs_diff": err, "diff_against": ref_name,
-                                 "extra_bytes": int(extra)})
+                    rows.append(timed_row(base, ms, f, args.repeat, err, ref_name, extra))
                     print(f"  {name:<12} d={d:<4} n={n:<6} causal={causal!s:<5} {ms:9.3f} ms "
                           f"{rows[-1]['tflops']:8.2f} TFLOP/s  max|diff vs {ref_name}|={err}  "
                           f"+{extra / 2**20:.0f} MiB", flush=True)

@@ -20,6 +20,15 @@ from . import backward
 PARTS = ("all", "forward", "backward-decode")
 
 
+def _verdict(bad: int) -> int:
+    """Wait for the last kernel (so that a sanitizer reports it here), print the verdict, return ``bad``."""
+    import cupy as cp
+
+    cp.cuda.Device().synchronize()
+    print("selfcheck:", "all ok" if not bad else f"{bad} FAILED")
+    return bad
+
+
 def forward(names: list[str] | None = None) -> int:
     """Every forward rung of ``names`` (default: all) once per dtype and d at small ragged shapes, against naive
     attention in fp32 on the same rounded inputs. Returns the number of failures."""
@@ -55,9 +64,7 @@ def forward(names: list[str] | None = None) -> int:
                     bad += not ok
                     print(f"{name:<12} {dt:<4} d={d:<4} n={n:<4} m={m:<4} causal={causal!s:<5} "
                           f"max|o-naive|={err:.1e} max|lse-naive|={lerr:.1e} {'ok' if ok else 'FAIL'}", flush=True)
-    cp.cuda.Device().synchronize()
-    print("selfcheck:", "all ok" if not bad else f"{bad} FAILED")
-    return bad
+    return _verdict(bad)
 
 
 def backward_and_decode(quick: bool = False) -> int:
@@ -109,9 +116,7 @@ def backward_and_decode(quick: bool = False) -> int:
                     bad += not ok
                     print(f"decode   {kernel:<4} {dt:<4} d={d:<4} m={m:<4} splits={splits} causal={causal!s:<5} "
                           f"max error {err:.1e} {'ok' if ok else 'FAIL'}", flush=True)
-    cp.cuda.Device().synchronize()
-    print("selfcheck:", "all ok" if not bad else f"{bad} FAILED")
-    return bad
+    return _verdict(bad)
 
 
 def main(argv: list[str] | None = None) -> int:
