@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def record_parser(kind: str, description: str, *, name: str, out: pathlib.Path, repeat: int = 30,
-           warmup: int = 5) -> argparse.ArgumentParser:
+                  warmup: int = 5) -> argparse.ArgumentParser:
     """The options every recorded GPU kind takes: where to write (--name, --out, --no-write), how many runs
     (--repeat, --warmup), and --table to print a recorded file instead of running."""
     p = argparse.ArgumentParser(prog=f"{PROG} {kind}", description=description)
