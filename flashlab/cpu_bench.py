@@ -1,8 +1,9 @@
 """CPU benchmark: NumPy naive attention vs NumPy tiled vs Numba tiled, time and peak memory.
 
-``python -m flashlab.cpu_bench`` times the three forward passes at n = 512 ... 4096, d = 64, float32, prints a
-table with medians and ratios against the naive version measured in the same run, and with ``--record NAME``
-writes ``data/cpu_bench/NAME.json`` with the machine and versions it ran on. Naive attention uses all of
+:func:`run` times the three forward passes (chapter 5 runs it live) and :func:`format_table` prints medians and
+ratios against the naive version measured in the same run; ``python -m flashlab bench cpu`` runs them at n = 512
+... 4096, d = 64, float32, and with ``--record NAME`` writes ``data/cpu_bench/NAME.json`` with the machine and
+versions it ran on (:mod:`flashlab.bench.cpu`); :func:`load` reads a recorded run. Naive attention uses all of
 BLAS's threads; the NumPy tiled version one (its many small products only lose from more); Numba its own
 threads (``NUMBA_NUM_THREADS``, all cores by default).
 
@@ -12,31 +13,21 @@ Memory is measured three ways, because no single tool sees everything:
   Numba's compiled code allocates;
 * growth of the resident set (Linux ``VmHWM`` after resetting it through ``/proc/self/clear_refs``) — sees
   everything the process touches, including Numba's tiles; it can read low when freed memory is reused;
-* for Numba, the analytic account of :func:`flashlab.numba_kernels.tiled_forward_workspace_bytes` (outputs plus
+* for Numba, the analytic account of :func:`flashlab.numba_cpu.tiled_forward_workspace_bytes` (outputs plus
   one set of tiles per thread).
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import os
-import pathlib
 import platform
-import re
-import shlex
-import subprocess
-import sys
 import time
 
 import numpy as np
 
-from . import reference, tiled
+from . import records, reference, tiled
 from .measure import peak_memory
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-DATA_DIR = ROOT / "data" / "cpu_bench"
+RECORDED = "cpu_bench/xeon-2core"  # the recorded run chapter 5 shows: data/cpu_bench/xeon-2core.json
 DEFAULT_SIZES = (512, 1024, 2048, 4096)
 IMPLEMENTATIONS = ("numpy_naive", "numpy_tiled", "numba_tiled")
 
@@ -54,7 +45,7 @@ def naive_attention(Q: np.ndarray, K: np.ndarray, V: np.ndarray) -> tuple[np.nda
 def _functions(block: int):
     from threadpoolctl import threadpool_limits
 
-    from . import numba_kernels
+    from . import numba_cpu
 
     def numpy_tiled(Q, K, V):
         # Many small tile products: one BLAS thread is faster than several (chapter 2). Naive attention keeps
@@ -65,7 +56,7 @@ def _functions(block: int):
     return {
         "numpy_naive": naive_attention,
         "numpy_tiled": numpy_tiled,
-        "numba_tiled": lambda Q, K, V: numba_kernels.tiled_forward(Q, K, V, block_q=block, block_k=block),
+        "numba_tiled": lambda Q, K, V: numba_cpu.tiled_forward(Q, K, V, block_q=block, block_k=block),
     }
 
 
@@ -102,7 +93,7 @@ def run(sizes=DEFAULT_SIZES, *, d: int = 64, block: int = 64, repeat: int = 3, r
     """
     from numba import get_num_threads
 
-    from . import numba_kernels
+    from . import numba_cpu
 
     fns = _functions(block)
     rng = np.random.default_rng(seed)
@@ -128,7 +119,7 @@ def run(sizes=DEFAULT_SIZES, *, d: int = 64, block: int = 64, repeat: int = 3, r
                 "rel_error_vs_float64": _rel_error(outputs[name][0], O_ref) if check else None,
             }
             if name == "numba_tiled":
-                row["analytic_peak_bytes"] = numba_kernels.tiled_forward_workspace_bytes(
+                row["analytic_peak_bytes"] = numba_cpu.tiled_forward_workspace_bytes(
                     n, d, d, block_q=block, block_k=block, itemsize=4, threads=get_num_threads())
                 row["numba_threads"] = get_num_threads()
             rows.append(row)
@@ -176,52 +167,6 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_activity(limit: int = 5) -> list[str]:
-    """The busiest other processes right now (``ps``), so a record says what else was running."""
-    try:
-        out = subprocess.run(["ps", "-eo", "pid,pcpu,args", "--sort=-pcpu", "--no-headers"], capture_output=True,
-                             text=True, timeout=10).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    busy = []
-    for line in out.splitlines():
-        pid, cpu, args = (line.split(None, 2) + ["", "", ""])[:3]
-        if pid.isdigit() and int(pid) != os.getpid() and float(cpu or 0) >= 5.0:
-            busy.append(f"{cpu}% {args}"[:100])
-    return busy[:limit]
-
-
-def provenance(argv: list[str]) -> dict:
-    import numba
-    from threadpoolctl import threadpool_info
-
-    return {
-        "cpu": cpu_model(),
-        "logical_cpus": os.cpu_count(),
-        "numba_threads": numba.get_num_threads(),
-        "niceness": os.nice(0),  # below 0: the run had priority over the machine's other processes
-        "numba_threading_layer": _threading_layer(),
-        "blas": [{k: info.get(k) for k in ("internal_api", "version", "num_threads")}
-                 for info in threadpool_info() if info.get("user_api") == "blas"],
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "numba": numba.__version__,
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": (f"nice -n {os.nice(0)} " if os.nice(0) else "") + "python -m flashlab.cpu_bench "
-        + " ".join(shlex.quote(a) for a in argv),
-    }
-
-
-def _threading_layer() -> str | None:
-    import numba
-
-    try:
-        return numba.threading_layer()
-    except ValueError:  # no parallel region has run yet
-        return None
-
-
 def summary(rows: list[dict]) -> dict:
     """The chapter's target at the largest n: Numba tiled faster than naive, with at most 1/10 of its memory."""
     n = max(r["n"] for r in rows)
@@ -238,46 +183,6 @@ def summary(rows: list[dict]) -> dict:
     }
 
 
-def load(name: str | None = None) -> dict:
-    """A recorded run from data/cpu_bench (the newest one when ``name`` is None)."""
-    paths = sorted(DATA_DIR.glob("*.json"), key=lambda p: json.loads(p.read_text())["provenance"]["date_utc"])
-    if name is not None:
-        paths = [DATA_DIR / f"{name}.json"]
-    if not paths:
-        raise FileNotFoundError(f"no recorded run in {DATA_DIR}")
-    return json.loads(paths[-1].read_text())
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Command line: ``python -m flashlab.cpu_bench [--sizes N ...] [--repeat R] [--rounds B] [--record NAME]``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m flashlab.cpu_bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES), help="sequence lengths n")
-    parser.add_argument("--d", type=int, default=64, help="head dimension")
-    parser.add_argument("--block", type=int, default=64, help="block_q = block_k of the tiled versions")
-    parser.add_argument("--repeat", type=int, default=3, help="timed calls per block")
-    parser.add_argument("--rounds", type=int, default=3, help="blocks per implementation and n, alternating")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--record", metavar="NAME", help="write data/cpu_bench/NAME.json")
-    args = parser.parse_args(argv)
-    if args.record is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", args.record):
-        parser.error("--record takes a plain name (letters, digits, '_', '-', '.'): it names data/cpu_bench/NAME.json")
-    before = {"loadavg": list(os.getloadavg()), "busy_processes": machine_activity()}
-    rows = run(args.sizes, d=args.d, block=args.block, repeat=args.repeat, rounds=args.rounds, seed=args.seed)
-    after = {"loadavg": list(os.getloadavg()), "busy_processes": machine_activity()}
-    result = summary(rows)
-    print(f"\nat n={result['n']}: numba tiled is {result['speedup_numba_vs_naive']:.2f}x the speed of numpy naive, "
-          f"with {result['memory_ratio_numba_vs_naive']:.4f} of its peak memory -> target met: {result['target_met']}")
-    if args.record:
-        record = {"provenance": provenance(argv), "machine_activity": {"before": before, "after": after},
-                  "memory_methods": {"numpy": "tracemalloc peak", "numba": "max(analytic account, RSS growth)"},
-                  "summary": result, "rows": rows}
-        DATA_DIR.mkdir(parents=True, exist_ok=True)
-        path = DATA_DIR / f"{args.record}.json"
-        path.write_text(json.dumps(record, indent=1) + "\n")
-        print(f"recorded {path.relative_to(ROOT)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def load(name: str = RECORDED) -> dict:
+    """A recorded run by its name under data/ (``"cpu_bench/NAME"``); by default the one chapter 5 shows."""
+    return records.read_record(name)

@@ -110,7 +110,8 @@ def default_num_splits(batch: int, kv_heads: int, row_chunks: int, m: int, sm_co
                        blocks_per_sm: int = 4) -> int:
     """Enough splits that the grid covers every SM ``blocks_per_sm`` times, but no split under MIN_KEYS_PER_SPLIT.
 
-    FlashDecoding's idea, not its exact rule; bench8's split sweep (data/ch8/decode.json) shows how close it is.
+    FlashDecoding's idea, not its exact rule; the decode benchmark's split sweep (data/ch8/decode.json) shows how
+    close it is.
     """
     blocks = batch * kv_heads * row_chunks
     want = math.ceil(blocks_per_sm * sm_count / blocks)

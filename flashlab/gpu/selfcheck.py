@@ -1,24 +1,42 @@
-"""``python -m flashlab.gpu.selfcheck``: launch every rung once per dtype at a small shape and compare.
+"""``python -m flashlab selfcheck``: every GPU kernel once at small ragged shapes, against a reference.
 
-Small enough to run under ``compute-sanitizer --tool memcheck`` and ``--tool racecheck`` (CONVENTIONS section 5):
-a ragged shape (n = 77, m = 131: neither a multiple of any tile), GQA (2 query heads on 1 K/V head), causal with
-n < m, and n > m so that some rows see no key. Exits non-zero if any output differs from naive attention.
+Small enough to run under ``compute-sanitizer --tool memcheck`` and ``--tool racecheck`` (``make sanitize``):
+ragged shapes (n = 77, m = 131: neither a multiple of any tile), GQA (2 query heads on 1 K/V head), causal with
+n < m, and n > m so that some rows see no key. ``forward [RUNG ...]``: the forward ladder against naive attention;
+``backward-decode [--quick]``: the backward and decoding kernels against float64; no part: both. Nothing is timed
+or written; the exit status is non-zero if any output is wrong.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import numpy as np
 
+from .. import reference
+from . import backward
 
-def main(argv: list[str] | None = None) -> int:
+PARTS = ("all", "forward", "backward-decode")
+
+
+def _verdict(bad: int) -> int:
+    """Wait for the last kernel (so that a sanitizer reports it here), print the verdict, return ``bad``."""
+    import cupy as cp
+
+    cp.cuda.Device().synchronize()
+    print("selfcheck:", "all ok" if not bad else f"{bad} FAILED")
+    return bad
+
+
+def forward(names: list[str] | None = None) -> int:
+    """Every forward rung of ``names`` (default: all) once per dtype and d at small ragged shapes, against naive
+    attention in fp32 on the same rounded inputs. Returns the number of failures."""
     import cupy as cp
 
     from . import HEAD_DIMS, RUNGS, attention, from_bf16, naive_attention, to_bf16
 
-    argv = sys.argv[1:] if argv is None else list(argv)
-    names = argv or list(RUNGS)
+    names = names or list(RUNGS)
     rng = cp.random.default_rng(2)
     bad = 0
     for name in names:
@@ -46,10 +64,73 @@ def main(argv: list[str] | None = None) -> int:
                     bad += not ok
                     print(f"{name:<12} {dt:<4} d={d:<4} n={n:<4} m={m:<4} causal={causal!s:<5} "
                           f"max|o-naive|={err:.1e} max|lse-naive|={lerr:.1e} {'ok' if ok else 'FAIL'}", flush=True)
-    cp.cuda.Device().synchronize()
-    print("selfcheck:", "all ok" if not bad else f"{bad} FAILED")
+    return _verdict(bad)
+
+
+def backward_and_decode(quick: bool = False) -> int:
+    """Every backward and decoding kernel once per dtype and d at small ragged shapes, against float64.
+
+    ``quick``: one shape instead of three. Returns the number of failures.
+    """
+    import cupy as cp
+
+    import flashlab.gpu as fgpu
+
+    rng = np.random.default_rng(3)
+    bad = 0
+    for dt in ("f16", "bf16"):
+        for d in fgpu.HEAD_DIMS:
+            shapes = ((77, 131, True), (131, 77, True), (77, 131, False))
+            for n, m, causal in shapes[:1] if quick else shapes:
+                x = [rng.standard_normal(s).astype(np.float32) for s in ((1, 2, n, d), (1, 1, m, d), (1, 1, m, d),
+                                                                        (1, 2, n, d))]
+                if dt == "bf16":
+                    dev = [fgpu.to_bf16(cp.asarray(a)) for a in x]
+                    x = [fgpu.from_bf16(a).get() for a in dev]
+                else:
+                    x = [a.astype(np.float16).astype(np.float32) for a in x]
+                    dev = [cp.asarray(a.astype(np.float16)) for a in x]
+                q, k, v, do = (a.astype(np.float64) for a in x)
+                bf = dt == "bf16"
+
+                def host(a, bf=bf):
+                    return (fgpu.from_bf16(a) if bf else a.astype(cp.float32)).get().astype(np.float64)
+
+                o, lse = fgpu.attention(*dev[:3], causal=causal, bf16=bf)
+                want = reference.attention_backward(q, k, v, do, causal=causal)
+                for kernel in backward.KERNELS:
+                    grads = fgpu.attention_backward(*dev[:3], o, lse, dev[3], causal=causal, bf16=bf, kernel=kernel)
+                    errs = [float(np.abs(host(g) - w).max() / max(1.0, np.abs(w).max()))
+                            for g, w in zip(grads, want, strict=True)]
+                    ok = max(errs) < (3e-2 if bf else 4e-3)
+                    bad += not ok
+                    print(f"backward {kernel:<4} {dt:<4} d={d:<4} n={n:<4} m={m:<4} causal={causal!s:<5} rel errors "
+                          f"{', '.join(f'{e:.1e}' for e in errs)} {'ok' if ok else 'FAIL'}", flush=True)
+                qd = dev[0][:, :, :3].copy()  # three new tokens
+                for splits, kernel in ((1, "rows"), (3, "rows"), (1, "keys"), (3, "keys")):
+                    od, ld = fgpu.decode(qd, dev[1], dev[2], num_splits=splits, lengths=[m - 5], causal=causal,
+                                         bf16=bf, kernel=kernel)
+                    O, _ = reference.attention(q[:, :, :3], k[:, :, : m - 5], v[:, :, : m - 5], causal=causal)
+                    err = float(np.abs(host(od) - O).max())
+                    ok = err < (3e-2 if bf else 4e-3)
+                    bad += not ok
+                    print(f"decode   {kernel:<4} {dt:<4} d={d:<4} m={m:<4} splits={splits} causal={causal!s:<5} "
+                          f"max error {err:.1e} {'ok' if ok else 'FAIL'}", flush=True)
+    return _verdict(bad)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m flashlab selfcheck [forward [RUNG ...] | backward-decode [--quick]]``."""
+    p = argparse.ArgumentParser(prog="python -m flashlab selfcheck", description=__doc__.splitlines()[0])
+    p.add_argument("part", nargs="?", choices=PARTS, default="all", help="which kernels (default: all)")
+    p.add_argument("rungs", nargs="*", help="forward: the rungs to check (default: every rung)")
+    p.add_argument("--quick", action="store_true", help="backward-decode: one shape instead of three")
+    args = p.parse_args(sys.argv[1:] if argv is None else list(argv))
+    if args.rungs and args.part != "forward":
+        p.error("rung names go with the part 'forward'")
+    bad = 0
+    if args.part in ("all", "forward"):
+        bad += forward(args.rungs)
+    if args.part in ("all", "backward-decode"):
+        bad += backward_and_decode(quick=args.quick)
     return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

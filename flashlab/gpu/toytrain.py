@@ -8,7 +8,7 @@ Both runs start from the same weights and see the same batches; only the attenti
 ``"sdpa"`` is ``torch.nn.functional.scaled_dot_product_attention``. Their loss curves should lie on top of each
 other, and both should fall from ln(vocab) towards 0.
 
-``python -m flashlab.gpu.bench8 train`` records both curves in data/ch8/train.json. Needs PyTorch and a GPU.
+``python -m flashlab bench train`` records both curves in data/ch8/train.json. Needs PyTorch and a GPU.
 """
 
 from __future__ import annotations

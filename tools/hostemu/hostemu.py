@@ -2,8 +2,9 @@
 
 ``python tools/hostemu/hostemu.py [--real-forward] [pytest arguments]`` runs the GPU-marked tests (default: the
 backward and decoding tests) with the kernels compiled by the host C++ compiler instead of NVRTC, behind a NumPy
-stand-in for CuPy. ``--selfcheck [--quick]`` runs ``bench8 selfcheck`` the same way; ``--forward-check`` runs
-the forward ladder's rung 9 (proven on an H200) against float64, which checks the emulation itself.
+stand-in for CuPy. ``--selfcheck [--quick]`` runs ``python -m flashlab selfcheck backward-decode`` the same way;
+``--forward-check`` runs the forward ladder's rung 9 (proven on an H200) against float64, which checks the
+emulation itself.
 
 How: each ``.cu`` is compiled with g++ (C++20) after ``cuda_host.h`` (beside this file) maps CUDA to the host. The
 kernels of this checkout are the ones run, whatever ``flashlab`` is installed. A thread block runs as one OS
@@ -291,9 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--forward-check"]:
         return forward_check()
     if argv[:1] == ["--selfcheck"]:
-        from flashlab.gpu import bench8
+        from flashlab.gpu import selfcheck
 
-        return 1 if bench8.selfcheck(quick="--quick" in argv) else 0
+        return 1 if selfcheck.backward_and_decode(quick="--quick" in argv) else 0
     import pytest
 
     args = argv or [str(ROOT / "tests" / "test_gpu_backward.py"), str(ROOT / "tests" / "test_gpu_decode.py")]

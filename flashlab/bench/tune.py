@@ -1,6 +1,6 @@
-"""``python -m flashlab.gpu.tune``: time a tunable rung (6 or 7) with other tile sizes, to choose its defaults.
+"""``python -m flashlab bench tune``: time a tunable rung (6 or later) with other tile sizes, to choose its defaults.
 
-Same method as ``flashlab.bench`` (fp16 random inputs, CUDA events, median of --repeat runs after warm-up,
+Same method as ``bench forward`` (fp16 random inputs, CUDA events, median of --repeat runs after warm-up,
 16 heads, batch x n = --tokens), one line per (tiles, d, n, causal), plus the max difference against the
 default rung's output. Writes data/benchmarks/tune_RUNG.json with provenance unless --no-write.
 """
@@ -8,10 +8,13 @@ default rung's output. Writes data/benchmarks/tune_RUNG.json with provenance unl
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import numpy as np
+
+from .. import records
+from . import PROG
+from .forward import OUT_DIR, flop
 
 
 def _launcher(attention, q, k, v, causal, rung, o, lse):
@@ -21,14 +24,9 @@ def _launcher(attention, q, k, v, causal, rung, o, lse):
     return run
 
 
-def main(argv: list[str] | None = None) -> int:
-    import cupy as cp
-
-    from .. import bench
-    from . import RUNGS, attention, rung6_variant, rung7_variant
-
-    argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(prog="python -m flashlab.gpu.tune")
+def parser() -> argparse.ArgumentParser:
+    """The command line of this run."""
+    p = argparse.ArgumentParser(prog=f"{PROG} tune", description=__doc__.splitlines()[0])
     p.add_argument("--rung", choices=("exp2_tiles", "warp32", "lean", "addressing"), default="addressing")
     p.add_argument("--configs", nargs="+", default=["4x64", "8x64", "4x32", "8x32"],
                    help="NWARPSxBC tile sizes (BC = keys per tile; warp32: BC at d = 64, always 32 at d = 128)")
@@ -37,12 +35,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--repeat", type=int, default=20)
-    p.add_argument("--out", default="data/benchmarks")
+    p.add_argument("--out", default=str(OUT_DIR), help="output directory (default: data/benchmarks)")
     p.add_argument("--no-write", action="store_true")
-    args = p.parse_args(argv)
-    prov = bench._provenance(argv)
-    prov["command"] = "python -m flashlab.gpu.tune " + " ".join(argv)
-    timer = bench._timer("cupy")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Time every tile configuration of --rung; write data/benchmarks/tune_RUNG.json unless --no-write."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser().parse_args(argv)
+    import cupy as cp
+
+    from ..gpu import RUNGS, attention, rung6_variant, rung7_variant
+
+    prov = records.gpu_provenance(records.command_line(f"{PROG} tune", argv))
     rows = []
     rng = cp.random.default_rng(1)
     for d in args.d:
@@ -70,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
                     lse = cp.empty(q.shape[:-1], cp.float32)
                     attention(q, k, v, causal=causal, kernel=rung, out=(o, lse))
                     err = float(cp.abs(o.astype(cp.float32) - ref).max())
-                    ms = statistics.median(timer(_launcher(attention, q, k, v, causal, rung, o, lse), args.repeat, 3))
-                    tf = bench.flop(n, d, batch, args.heads, causal) / (ms * 1e-3) / 1e12
+                    ms = records.median_ms(_launcher(attention, q, k, v, causal, rung, o, lse), args.repeat, 3)
+                    tf = flop(n, d, batch, args.heads, causal) / (ms * 1e-3) / 1e12
                     rows.append({"impl": rung.name, "nwarps": w, "bc": c, "d": d, "n": n, "batch": batch,
                                  "heads": args.heads, "causal": causal, "median_ms": round(ms, 5),
                                  "tflops": round(tf, 3), "max_abs_diff_vs_default": err})
@@ -80,9 +86,5 @@ def main(argv: list[str] | None = None) -> int:
                 del q, k, v, ref
                 cp.get_default_memory_pool().free_all_blocks()
     if not args.no_write:
-        bench.write_record(args.out, f"tune_{args.rung}", prov, rows)
+        records.write_record(args.out, f"tune_{args.rung}", prov, rows)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,62 +1,24 @@
-"""``python -m flashlab bench``: time the kernel ladder against naive CuPy and PyTorch SDPA, write JSON to data/.
+"""``python -m flashlab bench forward``: time the kernel ladder against naive CuPy and PyTorch SDPA.
 
-Every row of a table comes from one run of this script: the references (naive CuPy attention with S
-materialised, PyTorch SDPA with the flash and the cuDNN backends when PyTorch is present) are timed in the same
-run, on the same random fp16 inputs, with CUDA events, as the median of --repeat runs after --warmup runs.
-Before timing, each implementation's output is poisoned, computed once and compared with a reference, and the
-error is recorded in its row. FLOP = 4 n^2 d batch heads for the forward pass (half that with a causal mask).
+Every row of a table comes from one run: the references (naive CuPy attention with S materialised, PyTorch SDPA
+with the flash and the cuDNN backends when PyTorch is present) are timed in the same run, on the same random fp16
+inputs, with CUDA events, as the median of --repeat runs after --warmup runs. Before timing, each implementation's
+output is poisoned, computed once and compared with a reference, and the error is recorded in its row. FLOP =
+4 n^2 d batch heads for the forward pass (half that with a causal mask). Written to data/benchmarks/NAME.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import hashlib
-import json
-import pathlib
-import platform
-import shlex
-import statistics
-import subprocess
 import sys
-from collections.abc import Callable
 
 import numpy as np
 
+from .. import records
+from . import failed_row, gpu_main, record_parser, timed_row, without_torch
+
 REFERENCES = ("cupy_naive", "sdpa_flash", "sdpa_cudnn")
-DATA_DIR = pathlib.Path(__file__).resolve().parents[1] / "data"
-
-
-def load_recorded(name: str) -> dict:
-    """A recorded result: data/benchmarks/NAME.json (or data/ncu/NAME.json), as {"provenance": ..., "rows": ...}."""
-    for sub in ("benchmarks", "ncu"):
-        path = DATA_DIR / sub / f"{name}.json"
-        if path.exists():
-            return json.loads(path.read_text())
-    raise FileNotFoundError(f"no recorded result {name!r} under {DATA_DIR}/benchmarks or {DATA_DIR}/ncu")
-
-
-def print_recorded(path: str | pathlib.Path, format_rows: Callable[[list[dict]], str]) -> None:
-    """``--table FILE`` of the benchmark scripts: a recorded file's provenance line, then its rows formatted."""
-    data = json.loads(pathlib.Path(path).read_text())
-    prov = data["provenance"]
-    print(f"{prov['gpu']}, {prov['date_utc']}, `{prov['command']}`\n")
-    print(format_rows(data["rows"]))
-
-
-def check_repeat(repeat: int) -> None:
-    if repeat < 20:
-        raise SystemExit("--repeat must be at least 20 (CONVENTIONS: medians of >= 20 runs)")
-
-
-def write_record(out_dir: str | pathlib.Path, name: str, provenance: dict, rows: list[dict]) -> pathlib.Path:
-    """One run's table as OUT_DIR/NAME.json: {"provenance": ..., "rows": ...}."""
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}.json"
-    path.write_text(json.dumps({"provenance": provenance, "rows": rows}, indent=1) + "\n")
-    print(f"\nwrote {path}")
-    return path
+OUT_DIR = records.DATA_DIR / "benchmarks"
 SLOW_RUNGS = ("scalar", "smem_tiles")
 
 
@@ -65,11 +27,11 @@ def flop(n: int, d: int, batch: int, heads: int, causal: bool) -> float:
     return 4.0 * n * n * d * batch * heads * (0.5 if causal else 1.0)
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
+    """The command line of this benchmark."""
     import flashlab.gpu as fgpu
 
-    p = argparse.ArgumentParser(prog="python -m flashlab bench", description=__doc__.splitlines()[0])
-    p.add_argument("--name", default="ladder", help="output file data/benchmarks/NAME.json (default: ladder)")
+    p = record_parser("forward", __doc__.splitlines()[0], name="ladder", out=OUT_DIR)
     p.add_argument("--impls", nargs="+", default=list(fgpu.RUNGS) + list(REFERENCES),
                    help=f"rungs {list(fgpu.RUNGS)} and/or references {list(REFERENCES)}")
     p.add_argument("--d", nargs="+", type=int, default=[64, 128], help="head dimensions")
@@ -78,95 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=16384, help="batch x n (batch = tokens // n)")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--batch", type=int, default=None, help="fixed batch size (overrides --tokens): memory sweeps")
-    p.add_argument("--repeat", type=int, default=30, help="timed runs per row (>= 20)")
-    p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--slow-max-n", type=int, default=4096,
                    help=f"time the slow rungs {SLOW_RUNGS} only up to this n (they take seconds per call)")
-    p.add_argument("--out", default="data/benchmarks", help="output directory")
-    p.add_argument("--no-write", action="store_true", help="print the table only")
-    p.add_argument("--table", metavar="JSON", help="print the markdown table of a recorded file and exit (no GPU)")
     return p
-
-
-def _provenance(argv: list[str]) -> dict:
-    import cupy as cp
-
-    prov = {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python -m flashlab bench " + shlex.join(argv),
-        "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-        "compute_capability": cp.cuda.Device().compute_capability,
-        "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
-        "cuda_driver_api": cp.cuda.runtime.driverGetVersion(),
-        "cupy": cp.__version__,
-        "numpy": np.__version__,
-        "python": platform.python_version(),
-        "host": platform.node(),
-    }
-    try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,power.limit",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
-        prov["nvidia_smi"] = smi.stdout.strip()
-    except Exception as e:  # noqa: BLE001 - provenance is best effort, the error is recorded
-        prov["nvidia_smi"] = f"unavailable: {e}"
-    try:
-        import torch
-
-        prov["torch"] = torch.__version__
-        prov["torch_cuda"] = torch.version.cuda
-        prov["cudnn"] = torch.backends.cudnn.version()
-    except ImportError:
-        prov["torch"] = None
-    try:
-        root = pathlib.Path(__file__).resolve().parents[1]
-        res = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
-        sha = res.stdout.strip()
-        prov["git_commit"] = sha if res.returncode == 0 and len(sha) == 40 else None
-    except Exception:  # noqa: BLE001
-        prov["git_commit"] = None
-    import flashlab.gpu as fgpu
-
-    prov["kernel_sha256"] = {r.file: hashlib.sha256(r.source().encode()).hexdigest()[:16] for r in fgpu.RUNGS.values()}
-    return prov
-
-
-def _timer(kind: str):
-    """CUDA-event timer: returns f(fn, repeat, warmup) -> list of milliseconds."""
-    if kind == "torch":
-        import torch
-
-        def make():
-            return torch.cuda.Event(enable_timing=True)
-
-        def elapsed(a, b):
-            return a.elapsed_time(b)
-
-        sync = torch.cuda.synchronize
-    else:
-        import cupy as cp
-
-        def make():
-            return cp.cuda.Event()
-
-        def elapsed(a, b):
-            return cp.cuda.get_elapsed_time(a, b)
-
-        def sync():
-            cp.cuda.Device().synchronize()
-
-    def run(fn, repeat: int, warmup: int) -> list[float]:
-        for _ in range(warmup):
-            fn()
-        sync()
-        events = [(make(), make()) for _ in range(repeat)]
-        for a, b in events:
-            a.record()
-            fn()
-            b.record()
-        sync()
-        return [elapsed(a, b) for a, b in events]
-
-    return run
 
 
 def _impl(name: str, q, k, v, causal: bool):
@@ -217,27 +93,19 @@ def _impl(name: str, q, k, v, causal: bool):
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table; write data/benchmarks/NAME.json unless --no-write."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = _parser().parse_args(argv)
-    if args.table:
-        print_recorded(args.table, lambda rows: ladder_markdown(rows) + "\n\n" + markdown_table(rows))
-        return 0
-    check_repeat(args.repeat)
-    try:
-        import cupy as cp
-    except ImportError:
-        raise SystemExit("the benchmark needs CuPy and an NVIDIA GPU") from None
-    impls = list(args.impls)
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        dropped = [i for i in impls if i.startswith("sdpa")]
-        impls = [i for i in impls if not i.startswith("sdpa")]
-        if dropped:
-            print(f"PyTorch not installed: skipping {dropped}")
 
-    prov = _provenance(argv)
-    print(f"# {prov['gpu']}  CuPy {prov['cupy']}  torch {prov.get('torch')}  {prov['date_utc']}")
-    rows: list[dict] = []
+    def prepare(args: argparse.Namespace) -> None:
+        args.impls = without_torch(args.impls)
+
+    return gpu_main("forward", argv, parser(), run, format_rows, prepare=prepare,
+                    format_recorded=lambda rows: ladder_markdown(rows) + "\n\n" + markdown_table(rows))
+
+
+def run(args: argparse.Namespace, rows: list[dict]) -> None:
+    """Time every implementation of ``args.impls`` at each (d, n, causal) of ``args``; append one row each."""
+    import cupy as cp
+
+    impls = list(args.impls)
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     rng = cp.random.default_rng(0)
     pool = cp.get_default_memory_pool()
@@ -268,10 +136,9 @@ def main(argv: list[str] | None = None) -> int:
                         extra = pool.total_bytes() - held
                         err = float(cp.abs(out - ref).max()) if ref is not None else None
                         del out
-                        ms = statistics.median(_timer(kind)(fn, args.repeat, args.warmup))
+                        ms = records.median_ms(fn, args.repeat, args.warmup, kind=kind)
                     except Exception as e:  # noqa: BLE001 - e.g. out of memory: recorded, the table goes on
-                        print(f"  {name:<12} d={d} n={n} causal={causal}: {type(e).__name__}: {str(e)[:200]}")
-                        rows.append({**base, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                        rows.append(failed_row(base, e))
                         pool.free_all_blocks()
                         continue
                     pool.free_all_blocks()
@@ -279,23 +146,21 @@ def main(argv: list[str] | None = None) -> int:
                     # extra_bytes: what CuPy's pool held after one call beyond before it (outputs, temporaries and the
                     # float32 copy of the output made for the check above;
                     # PyTorch's own allocator is not seen, so 0 for sdpa_*): about the call's peak working memory.
-                    rows.append({**base, "median_ms": round(ms, 5), "tflops": round(f / (ms * 1e-3) / 1e12, 3),
-                                 "repeat": args.repeat, "max_abs_diff": err, "diff_against": ref_name,
-                                 "extra_bytes": int(extra)})
+                    rows.append(timed_row(base, ms, f, args.repeat, err, ref_name, extra))
                     print(f"  {name:<12} d={d:<4} n={n:<6} causal={causal!s:<5} {ms:9.3f} ms "
                           f"{rows[-1]['tflops']:8.2f} TFLOP/s  max|diff vs {ref_name}|={err}  "
                           f"+{extra / 2**20:.0f} MiB", flush=True)
                 del q, k, v, ref
                 pool.free_all_blocks()
 
-    print()
-    print(format_table(rows))
+
+def format_rows(rows: list[dict]) -> str:
+    """What a run prints at its end: :func:`format_table`, then one line per failed row."""
+    lines = [format_table(rows)]
     for r in rows:
         if "error" in r:
-            print(f"{r['impl']:<12} {r['d']:>4} {r['n']:>6} {r['causal']!s:>6}  {r['error'][:80]}")
-    if not args.no_write:
-        write_record(args.out, args.name, prov, rows)
-    return 0
+            lines.append(f"{r['impl']:<12} {r['d']:>4} {r['n']:>6} {r['causal']!s:>6}  {r['error'][:80]}")
+    return "\n".join(lines)
 
 
 def format_table(rows: list[dict]) -> str:
@@ -349,7 +214,3 @@ def ladder_markdown(rows: list[dict], impls: list[str] | None = None) -> str:
             cells.append("-" if v is None else f"{v:.1f} ({100 * v / f:.0f}%)" if f else f"{v:.1f}")
         lines.append(f"| {im} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())

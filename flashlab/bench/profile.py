@@ -1,9 +1,13 @@
-"""``python -m flashlab.gpu.profile``: one forward pass of one implementation, bracketed for Nsight Compute.
+"""``python -m flashlab bench profile``: one forward pass of one implementation, bracketed for Nsight Compute.
 
 Run it under ``ncu --profile-from-start off ...``: the inputs are made and the kernels compiled and run once
 (warm-up) before ``cudaProfilerStart``, so only the measured call's kernels are profiled. Used to record the
 DRAM bytes of naive attention against the last rung at the paper's shape (N = 1024, d = 64, 16 heads, batch 64)
-and the per-rung counters (bank conflicts, occupancy, stalls) of chapter 7.
+and the per-rung counters (bank conflicts, occupancy, stalls) of chapter 7 (``make profile`` runs them all).
+
+``summarize NCU.csv [PROVENANCE.json]`` prints the summary JSON the chapters read (data/ncu/NAME.json) from
+Nsight Compute's CSV (kept in data/raw/ncu/); ``provenance [--command TEXT]`` prints the GPU provenance and the
+Nsight Compute version to pass to it.
 """
 
 from __future__ import annotations
@@ -14,7 +18,11 @@ import csv
 import io
 import json
 import pathlib
+import subprocess
 import sys
+
+from .. import records
+from . import PROG
 
 
 def summarize(csv_text: str) -> list[dict]:
@@ -59,25 +67,50 @@ def summarize(csv_text: str) -> list[dict]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "summarize":  # python -m flashlab.gpu.profile summarize NCU.csv [PROVENANCE.json]
-        data = {"source": argv[1], "processes": summarize(pathlib.Path(argv[1]).read_text())}
-        if len(argv) > 2:
-            data["provenance"] = json.loads(pathlib.Path(argv[2]).read_text())
-        print(json.dumps(data, indent=1))
-        return 0
-    p = argparse.ArgumentParser(prog="python -m flashlab.gpu.profile")
+def ncu_version() -> str:
+    """The last line of ``ncu --version``, or why there is none."""
+    try:
+        out = subprocess.run(["ncu", "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unavailable: {e}"
+    return out.splitlines()[-1] if out else "unavailable"
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of the profiled run (``summarize`` and ``provenance`` take their own)."""
+    p = argparse.ArgumentParser(prog=f"{PROG} profile", description=__doc__.splitlines()[0],
+                                epilog="or: summarize NCU.csv [PROVENANCE.json]; provenance [--command TEXT]")
     p.add_argument("--impl", required=True, help="cupy_naive, sdpa_flash or a rung of flashlab.gpu.RUNGS")
     p.add_argument("--d", type=int, default=64)
     p.add_argument("--n", type=int, default=1024)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--causal", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m flashlab bench profile --impl IMPL ...``, ``... summarize NCU.csv [PROV.json]`` or
+    ``... provenance [--command TEXT]``."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "summarize":  # summarize NCU.csv [PROVENANCE.json]
+        data = {"source": argv[1], "processes": summarize(pathlib.Path(argv[1]).read_text())}
+        if len(argv) > 2:
+            data["provenance"] = json.loads(pathlib.Path(argv[2]).read_text())
+        print(json.dumps(data, indent=1))
+        return 0
+    if argv and argv[0] == "provenance":
+        p = argparse.ArgumentParser(prog=f"{PROG} profile provenance")
+        p.add_argument("--command", default=records.command_line(f"{PROG} profile", argv),
+                       help="the command that made the CSVs (default: this one)")
+        prov = records.gpu_provenance(p.parse_args(argv[1:]).command)
+        prov["ncu_version"] = ncu_version()
+        print(json.dumps(prov, indent=1))
+        return 0
+    args = parser().parse_args(argv)
     import cupy as cp
 
-    from . import attention, naive_attention
+    from ..gpu import attention, naive_attention
 
     rng = cp.random.default_rng(3)
     shape = (args.batch, args.heads, args.n, args.d)
@@ -107,6 +140,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"profiled {args.impl} shape={shape} causal={args.causal}")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

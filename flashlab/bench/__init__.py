@@ -1,0 +1,130 @@
+"""``python -m flashlab bench KIND ...``: time one kind of result and record it in data/ with its provenance.
+
+One module per kind, each owning its arguments (``python -m flashlab bench KIND --help``). The GPU kinds share
+one protocol (CONTRIBUTING.md, "Benchmarks"): every row of a table comes from one run, the references are timed
+in the same run on the same random fp16 inputs, each output is checked once before it is timed, and times are
+CUDA-event medians of --repeat (>= 20) runs after --warmup (:mod:`flashlab.records`). ``--table FILE`` prints a
+recorded file without a GPU. data/README.md lists every recorded file and the command that regenerates it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+from collections.abc import Callable
+
+from .. import records
+from ..cli import dispatch
+
+KINDS = {
+    "forward": ("flashlab.bench.forward", "forward pass: the kernel ladder against naive CuPy and PyTorch SDPA "
+                "-> data/benchmarks/NAME.json"),
+    "backward": ("flashlab.bench.backward", "backward pass: the course's kernels against SDPA (flash, cuDNN) and "
+                 "naive CuPy -> data/ch8/bwd.json"),
+    "decode": ("flashlab.bench.decode", "split-KV decoding against SDPA and the time to read the KV cache once "
+               "-> data/ch8/decode.json"),
+    "memory": ("flashlab.bench.memory", "bytes kept from forward to backward, and each backward's extra "
+               "-> data/ch8/memory.json"),
+    "train": ("flashlab.bench.train", "a toy model trained with the course's kernels and with SDPA: both loss "
+              "curves -> data/ch8/train.json"),
+    "cpu": ("flashlab.bench.cpu", "NumPy naive, NumPy tiled and Numba tiled forward on the CPU: time and peak "
+            "memory -> data/cpu_bench/NAME.json"),
+    "tune": ("flashlab.bench.tune", "time a tunable rung with other tile sizes -> data/benchmarks/tune_RUNG.json"),
+    "profile": ("flashlab.bench.profile", "one forward pass bracketed for Nsight Compute; summarize an ncu CSV "
+                "into data/ncu/"),
+}
+PROG = "python -m flashlab bench"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m flashlab bench KIND [ARGS...]``."""
+    return dispatch(KINDS, sys.argv[1:] if argv is None else list(argv), PROG, word="KIND")
+
+
+def record_parser(kind: str, description: str, *, name: str, out: pathlib.Path, repeat: int = 30,
+                  warmup: int = 5) -> argparse.ArgumentParser:
+    """The options every recorded GPU kind takes: where to write (--name, --out, --no-write), how many runs
+    (--repeat, --warmup), and --table to print a recorded file instead of running."""
+    p = argparse.ArgumentParser(prog=f"{PROG} {kind}", description=description)
+    p.add_argument("--name", default=name, help=f"output file OUT/NAME.json (default: {name})")
+    p.add_argument("--out", default=str(out), help=f"output directory (default: {out.relative_to(records.ROOT)})")
+    p.add_argument("--repeat", type=int, default=repeat, help=f"timed runs per row (>= {records.MIN_REPEAT})")
+    p.add_argument("--warmup", type=int, default=warmup, help="untimed runs before the timed ones")
+    p.add_argument("--no-write", action="store_true", help="print the table only")
+    p.add_argument("--table", metavar="JSON", help="print a recorded file and exit (no GPU)")
+    return p
+
+
+def training_kernel_hashes() -> dict:
+    """Provenance of the backward and decoding records: the hashes of the backward and decoding kernel sources."""
+    from ..gpu import KERNEL_DIR, backward, decoding
+
+    return {"kernel_sha256_ch8": records.file_hashes(KERNEL_DIR / f for f in backward.KERNEL_FILES
+                                                     + decoding.KERNEL_FILES)}
+
+
+def gpu_main(kind: str, argv: list[str], p: argparse.ArgumentParser, run: Callable[[argparse.Namespace, list], None],
+             format_rows: Callable[[list[dict]], str], *, prepare: Callable[[argparse.Namespace], None] | None = None,
+             format_recorded: Callable[[list[dict]], str] | None = None,
+             extra_provenance: Callable[[], dict] | None = None) -> int:
+    """Parse ``argv``; print a recorded table (--table) or run ``run(args, rows)`` on the GPU, print the rows,
+    and write OUT/NAME.json with the provenance unless --no-write.
+
+    ``prepare(args)`` adjusts the arguments once CuPy is known to import (e.g. drops the PyTorch references when
+    PyTorch is missing); ``format_recorded`` formats --table (default ``format_rows``).
+    """
+    args = p.parse_args(argv)
+    if args.table:
+        records.print_recorded(args.table, format_recorded or format_rows)
+        return 0
+    records.check_repeat(args.repeat)
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        raise SystemExit("the benchmark needs CuPy and an NVIDIA GPU") from None
+    if prepare is not None:
+        prepare(args)
+    prov = records.gpu_provenance(records.command_line(f"{PROG} {kind}", argv))
+    if extra_provenance is not None:
+        prov.update(extra_provenance())
+    print(f"# {prov['gpu']}  CuPy {prov['cupy']}  torch {prov.get('torch')}  {prov['date_utc']}")
+    rows: list[dict] = []
+    run(args, rows)
+    print()
+    print(format_rows(rows))
+    if not args.no_write:
+        records.write_record(args.out, args.name, prov, rows)
+    return 0
+
+
+def timed_row(base: dict, ms: float, flop: float, repeat: int, err: float | None, diff_against: str | None,
+              extra_bytes: int) -> dict:
+    """A timed forward or backward row: ``base`` (impl, pass, shape) plus the median, TFLOP/s, the difference
+    against the reference implementation and the extra bytes CuPy's pool held after one call."""
+    return {**base, "median_ms": round(ms, 5), "tflops": round(flop / (ms * 1e-3) / 1e12, 3), "repeat": repeat,
+            "max_abs_diff": err, "diff_against": diff_against, "extra_bytes": int(extra_bytes)}
+
+
+def failed_row(base: dict, e: Exception) -> dict:
+    """A row whose run failed (out of memory, say): printed and recorded with its error; the table goes on."""
+    print(f"  {base['impl']:<12} d={base['d']} n={base['n']} causal={base['causal']}: {type(e).__name__}: "
+          f"{str(e)[:200]}")
+    return {**base, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+
+
+def error_line(row: dict) -> str:
+    """A failed row (out of memory, say) in a printed table."""
+    return f"{row['impl']:<12} {row.get('n')} {row.get('m', '')}  {row['error'][:80]}"
+
+
+def without_torch(impls: list[str], quiet: bool = False) -> list[str]:
+    """``impls`` without the PyTorch references (sdpa_*) when PyTorch is not installed."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        dropped = [i for i in impls if i.startswith("sdpa")]
+        if dropped and not quiet:
+            print(f"PyTorch not installed: skipping {dropped}")
+        return [i for i in impls if not i.startswith("sdpa")]
+    return list(impls)
