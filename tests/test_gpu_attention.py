@@ -1,4 +1,4 @@
-"""flashlab.gpu: every rung of the kernel ladder against the float64 reference (CONVENTIONS section 4).
+"""flashlab.gpu: every rung of the kernel ladder against the float64 reference (CONTRIBUTING.md, Correctness).
 
 Rule (FlashAttention's own): a kernel's error against float64 may be at most twice the error of naive attention
 computed in the same precision. The naive baseline is emulated here in NumPy, rounding where a framework's eager

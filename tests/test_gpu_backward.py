@@ -1,4 +1,4 @@
-"""flashlab.gpu.attention_backward against float64 gradients (CONVENTIONS section 4), and its schedule on the CPU.
+"""flashlab.gpu.attention_backward against float64 gradients (CONTRIBUTING.md, Correctness); its schedule on CPU.
 
 Rule: each gradient's max error against ``flashlab.reference.attention_backward`` (float64, on the same rounded
 inputs) is at most twice that of the standard backward computed in the same precision, emulated in NumPy where

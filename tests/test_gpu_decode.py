@@ -2,7 +2,7 @@
 
 CPU tests check the math without a GPU: ``merge_partials`` against ``flashlab.online.merge`` and the reference,
 and the whole split scheme (``decode_numpy``) with ragged cache lengths, GQA and causal masks. GPU tests use the
-rule of CONVENTIONS section 4 (error against float64 at most twice that of naive attention in the same
+rule of CONTRIBUTING.md, Correctness (error against float64 at most twice that of naive attention in the same
 precision), for both the merged output and each split's partial.
 """
 
