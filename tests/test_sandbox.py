@@ -80,6 +80,18 @@ def digest(path: pathlib.Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+# ------------------------------------------------------------------------------------------------- the probe
+def test_the_probe_passes_wherever_bwrap_itself_runs():
+    """A bug in the options must fail here, not turn every test below into a skip."""
+    bwrap = sandbox.find_bwrap()
+    if bwrap is None or sys.platform != "linux":
+        pytest.skip("bwrap not found")
+    bare = subprocess.run([bwrap, "--ro-bind", "/", "/", "--unshare-pid", "--", "true"], capture_output=True)
+    if bare.returncode != 0:
+        pytest.skip(f"bwrap cannot make namespaces here: {bare.stderr.decode(errors='replace').strip()}")
+    assert PROBLEM is None
+
+
 # ------------------------------------------------------------------------------------------------- filesystem
 @needs_sandbox
 def test_writes_outside_the_workdir_fail_and_leave_files_unchanged(tmp_path, outside):
@@ -129,7 +141,12 @@ def test_hidden_folders_are_empty_and_exposed_ones_readable(tmp_path, outside):
             text = open({str(secret)!r}).read()
         except OSError as e:
             text = e.strerror
-        print(json.dumps({{"listing": os.listdir({str(secret.parent)!r}), "read": text,
+        try:
+            open({str(secret.parent / "planted")!r}, "w").close()
+            planted = True
+        except OSError:
+            planted = False
+        print(json.dumps({{"listing": os.listdir({str(secret.parent)!r}), "read": text, "planted": planted,
                            "checkout": os.path.exists({str(ROOT / "solutions")!r}),
                            "package": os.path.exists({str(ROOT / "flashlab" / "grading" / "core.py")!r})}}))
     """
@@ -137,6 +154,7 @@ def test_hidden_folders_are_empty_and_exposed_ones_readable(tmp_path, outside):
     assert seen["listing"] == ["lab01.ipynb"] and seen["read"] == "the answers"  # the control: visible unhidden
     hidden = report(run_py(code, tmp_path, hide=[ROOT, secret.parent]))
     assert hidden["listing"] == [] and hidden["read"] != "the answers"
+    assert not hidden["planted"]  # the cover is read-only too: nothing to hand over between cells through it
     assert (ROOT / "solutions").exists() and not hidden["checkout"]
     assert hidden["package"]
 
