@@ -353,6 +353,23 @@ def test_a_large_file_is_cut_at_the_file_size_limit(tmp_path):
     assert (tmp_path / "big.bin").stat().st_size <= 1 << 20
 
 
+@needs_sandbox
+def test_the_private_tmp_is_bounded(tmp_path):
+    if not sandbox._knows_size(sandbox.find_bwrap()):
+        pytest.skip("this bwrap cannot bound a tmpfs (--size needs bubblewrap 0.7)")
+    done = run_py("""
+        import json
+        try:
+            with open("/tmp/fill", "wb") as f:
+                f.write(b"\\1" * (8 << 20))
+            out = "written"
+        except OSError as e:
+            out = e.strerror
+        print(json.dumps(out))
+    """, tmp_path, limits=Limits(tmp_size=1 << 20))
+    assert report(done) == os.strerror(errno.ENOSPC)
+
+
 # ----------------------------------------------------------------------------------------------- the kernel
 @needs_sandbox
 @pytest.mark.slow

@@ -83,7 +83,7 @@ class Limits:
     cpu_seconds: int | None = 900
     file_size: int | None = 256 << 20
     output: int | None = 1 << 20
-    tmp_size: int = 256 << 20  # each of the private /tmp and /dev/shm (tmpfs: they count as RAM)
+    tmp_size: int = 256 << 20  # each of the private /tmp and /dev/shm (tmpfs: RAM); bwrap older than 0.7 ignores it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,11 +136,23 @@ def sandbox_problem(bwrap: str | None = None) -> str | None:
             return f"{bwrap} could not run: {e}"
     if done.returncode != 0:
         why = done.stderr.decode("utf-8", "replace").strip()[-300:]
-        return f"{bwrap} cannot make a sandbox here (user namespaces disabled?): {why or done.returncode}"
+        hint = "" if _privileged() else (" (unprivileged user namespaces disabled? on Ubuntu 24.04 and later see"
+                                          " kernel.apparmor_restrict_unprivileged_userns)")
+        return f"{bwrap} cannot make a sandbox here{hint}: {why or done.returncode}"
     return None
 
 
 # ------------------------------------------------------------------------------------------ building the command
+@functools.lru_cache(maxsize=None)
+def _knows_size(bwrap: str) -> bool:
+    """Whether this bwrap can bound a tmpfs (``--size``, bubblewrap 0.7 and later; Ubuntu 22.04 has 0.6)."""
+    try:
+        usage = subprocess.run([bwrap, "--help"], capture_output=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return b"--size" in usage
+
+
 def _privileged() -> bool:
     return os.geteuid() == 0
 
@@ -225,11 +237,12 @@ def _command(argv: Sequence[str], *, bwrap: str, workdir: pathlib.Path, hide: It
     hidden = [p for p in dict.fromkeys(hidden) if os.path.lexists(p)]  # bwrap cannot make mount points on a ro /
     hidden_dirs = [p for p in hidden if os.path.isdir(p)]
     cmd = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    sized = _knows_size(bwrap)
     for private in ("/tmp", "/dev/shm"):
-        cmd += ["--perms", "1777", "--size", str(limits.tmp_size), "--tmpfs", private]
+        cmd += ["--perms", "1777", *(["--size", str(limits.tmp_size)] if sized else []), "--tmpfs", private]
     for path in hidden:
         if path in hidden_dirs:
-            cmd += ["--perms", "0755", "--size", str(_HIDDEN_TMPFS_SIZE), "--tmpfs", path]
+            cmd += ["--perms", "0755", *(["--size", str(_HIDDEN_TMPFS_SIZE)] if sized else []), "--tmpfs", path]
         else:
             cmd += ["--ro-bind", "/dev/null", path]
     if gpu:
@@ -273,7 +286,9 @@ def sandboxed_command(argv: Sequence[str], *, workdir: str | os.PathLike, hide: 
     ``hide`` paths are covered (folders by an empty read-only tmpfs, files by ``/dev/null``); ``expose`` paths
     inside hidden ones are bound back read-only. ``gpu=True`` binds ``/dev/nvidia*`` and ``/dev/dri``. ``env``
     is added to a minimal environment (the grader's own is not passed on). Under root the command runs as ``uid``
-    (default: a fresh scratch uid), so ``workdir`` must belong to that uid: :func:`run` sees to it.
+    (default: a fresh scratch uid), so ``workdir`` must belong to that uid (:func:`run` sees to it) and its parent
+    folders must be traversable by others, unless they lie under ``/tmp`` (inside, a fresh tmpfs). The thread that
+    starts the command must outlive it: ``--die-with-parent`` ends the sandbox when that thread exits.
     Raises :class:`SandboxUnavailable` if bwrap is missing.
     """
     bwrap = find_bwrap()
@@ -321,8 +336,8 @@ def run(argv: Sequence[str], *, workdir: str | os.PathLike, timeout: float, hide
     ``truncated`` is set. At the timeout the run is killed (the whole sandbox: every process in it) and
     ``timed_out`` is set. Under root, ``workdir`` and its contents are handed to the scratch uid first.
     Without a usable bwrap, raises :class:`SandboxUnavailable`, unless ``allow_unsandboxed``: then the command
-    runs with the same limits, no isolation (``sandboxed=False``): it can write anywhere the caller can, and
-    daemons it starts outlive the run.
+    runs with the same limits, no isolation (``sandboxed=False``): it can write anywhere the caller can,
+    daemons it starts outlive the run, and under root the process limit does not apply.
     """
     workdir = pathlib.Path(os.path.realpath(workdir))
     if not workdir.is_dir():
