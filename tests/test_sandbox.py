@@ -24,6 +24,7 @@ import pytest
 from flashlab.grading import sandbox
 from flashlab.grading.sandbox import Limits, SandboxUnavailable
 
+pytestmark = pytest.mark.skipif(os.name != "posix", reason="process limits and bwrap need a POSIX system")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROBLEM = sandbox.sandbox_problem()
 needs_sandbox = pytest.mark.skipif(PROBLEM is not None, reason=f"no usable sandbox here: {PROBLEM}")

@@ -43,7 +43,6 @@ import glob
 import itertools
 import os
 import pathlib
-import resource
 import selectors
 import shutil
 import signal
@@ -128,10 +127,12 @@ def sandbox_problem(bwrap: str | None = None) -> str | None:
         uid = _scratch_uid() if _privileged() else None
         if uid is not None:
             os.chown(tmp, uid, uid)
-        cmd = _command(["true"], bwrap=bwrap, workdir=pathlib.Path(tmp), hide=(), expose=(), gpu=False,
-                       limits=Limits(), env={}, uid=uid)
         try:
+            cmd = _command(["true"], bwrap=bwrap, workdir=pathlib.Path(tmp), hide=(), expose=(), gpu=False,
+                           limits=Limits(), env={}, uid=uid)
             done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+        except SandboxUnavailable as e:
+            return str(e)
         except (OSError, subprocess.TimeoutExpired) as e:
             return f"{bwrap} could not run: {e}"
     if done.returncode != 0:
@@ -173,6 +174,8 @@ def python_paths() -> list[str]:
 
 def _rlimits(limits: Limits, gpu: bool) -> list[tuple[str, int]]:
     """(name, value) pairs, each capped at this process's hard limit (lowering needs no privilege; raising does)."""
+    import resource  # POSIX only: importing this module elsewhere stays possible
+
     wanted = [("DATA" if gpu else "AS", limits.memory), ("NPROC", limits.processes),
               ("CPU", limits.cpu_seconds), ("FSIZE", limits.file_size), ("CORE", 0)]
     out = []
