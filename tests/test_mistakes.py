@@ -333,8 +333,7 @@ def test_a_new_lab_is_picked_up_without_editing_the_catalogue(new_lab):
 def test_a_new_labs_known_mistakes_are_picked_up_from_its_module(new_lab):
     """The recipe for a mistake that no module-level list holds: declare it in the lab's KNOWN_MISTAKES."""
     new_lab.KNOWN_MISTAKES = KnownMistakes(
-        demos={"DOUBLE_MUTANTS": lambda: Demo([("x = 3", (3.0,))], run=lambda fn, args: fn(*args),
-                                              right=lambda args: args[0], names=("x",))},
+        demos={"DOUBLE_MUTANTS": lambda: Demo([("x = 3", (3.0,))], right=lambda args: args[0], names=("x",))},
         hand_written={("q2", "negated"): [HandWritten("returns -x", lambda: lambda x: -x)]},
         other_diagnoses=[OtherDiagnosis("q1", "ident", "zero everywhere",
                                         HandWritten("returns 0", lambda: lambda x: 0.0 * x, expect="identity"))],

@@ -50,6 +50,13 @@ How to add a lab (e.g. lab 03) — two files, nothing else to edit
    Add your lab's notebooks to the tests by nothing more than committing them: ``tests/test_labs.py`` grades
    every ``solutions/lab*.ipynb`` (must score full marks) and every released ``labs/lab*.ipynb`` (must score 0).
    Test your mutants' diagnoses directly: ``run_question("lab03", "q1", [mutant_fn]).feedback``.
+
+   Chapter 9 (:mod:`flashlab.mistakes`) lists, runs and grades every mutant of the module by itself: keep them in
+   module-level lists (``UPDATE_MUTANTS = [...]``) that one question uses. What it cannot find, the same module
+   declares in ``KNOWN_MISTAKES = KnownMistakes(...)`` (:mod:`flashlab.grading.known`): small telling inputs per
+   list (``demos``), wrong implementations for mutants without ``fn`` (``hand_written``), diagnoses that are not
+   mutants (``other_diagnoses``). ``tests/test_mistakes.py`` says what is missing; ``python -m flashlab.mistakes
+   --labs lab03 --seeds 40`` checks that every diagnosis holds whatever the random draw.
 """
 
 from .core import Case, Checker, Lab, Mutant, Result, Trial, available_labs, get_lab, grade_namespace, lab, run_question

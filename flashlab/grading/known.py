@@ -32,14 +32,20 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+def call_with(fn: Callable, args: tuple) -> Any:
+    """``fn(*args)``: how a demo applies an implementation to its inputs unless it says otherwise."""
+    return fn(*args)
+
+
 @dataclass
 class Demo:
-    """Small telling inputs for one group: ``run(fn, args)`` and ``right(args)`` give outputs named ``names``."""
+    """Small telling inputs for one group: ``examples`` are (label, args); ``right(args)`` and ``run(fn, args)``
+    (the right outputs, and an implementation's) give outputs named ``names``."""
 
     examples: list[tuple[str, tuple]]
-    run: Callable[[Callable, tuple], Any]
     right: Callable[[tuple], Any]
     names: tuple[str, ...]
+    run: Callable[[Callable, tuple], Any] = call_with
     rtol: float = 1e-9  # what counts as "the same" (the graders' float64 tolerance; fp32 kernels need more)
     atol: float = 1e-12
 

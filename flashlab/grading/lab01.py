@@ -362,7 +362,6 @@ def _attend_demo() -> Demo:
             ("a ragged last block: scores [0, 0, ln 3, ln 3, 2], values [0, 0, 1, 1, 4], block = 2",
              (np.array([0, 0, LN3, LN3, 2.0]), np.array([0.0, 0, 1, 1, 4]), 2)),
         ],
-        run=lambda fn, args: fn(*args),
         right=lambda args: online.attend(args[0], args[1]),
         names=("result",),
     )

@@ -266,7 +266,6 @@ def _forward_demo() -> Demo:
              (*demo_qkv(3, 5, 2, 1, seed=1), 2, 2)),
             ("the same shapes with scores up to 1000", (*demo_qkv(3, 5, 2, 1, seed=1, top=1000.0), 2, 2)),
         ],
-        run=lambda fn, args: fn(*args),
         right=lambda args: reference.attention(*args[:3]),
         names=("O", "L"),
     )

@@ -237,7 +237,6 @@ def q3(t: Trial, traffic_ratio) -> None:
 def _counts_demo(algorithm: str, examples: list[tuple[str, tuple]]) -> Demo:
     return Demo(
         examples=examples,
-        run=lambda fn, args: fn(*args),
         right=lambda args: _rw(iocount.predict(algorithm, args[0], args[1], sram=args[2], block_q=args[3],
                                                block_k=args[4])),
         names=("reads", "writes"),
@@ -250,7 +249,6 @@ _TILED_COUNT_EXAMPLES = [("n = 1000, d = 64, M = 20000, block_q = 48, block_k = 
 def _blocks_demo() -> Demo:
     return Demo(
         examples=[("d = 64, M = 1000", (64, 1000)), ("d = 64, M = 116224 (227 KB of bf16)", (64, 116224))],
-        run=lambda fn, args: fn(*args),
         right=lambda args: iocount.default_blocks("kv_outer", *args),
         names=("(B_r, B_c)",),
     )

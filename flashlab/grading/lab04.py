@@ -195,7 +195,6 @@ def _backward_demo() -> Demo:
     O, L = tiled.forward(Q, K, V, block_q=8, block_k=8)
     return Demo(
         examples=[("random, n = m = 4, d = dv = 2, block_q = block_k = 2", (Q, K, V, O, L, dO, 2, 2))],
-        run=lambda fn, args: fn(*args),
         right=lambda args: reference.attention_backward(args[0], args[1], args[2], args[5]),
         names=("dQ", "dK", "dV"),
     )
@@ -205,7 +204,6 @@ def _flops_demo() -> Demo:
     return Demo(
         examples=[("n = m = 1024, d = dv = 64, recompute", (1024, 1024, 64, 64, True)),
                   ("n = 1000, m = 500, d = 64, dv = 32, recompute", (1000, 500, 64, 32, True))],
-        run=lambda fn, args: fn(*args),
         right=lambda args: _flops(*args),
         names=("FLOPs",),
     )

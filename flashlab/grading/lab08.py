@@ -256,7 +256,6 @@ def _partials_demo() -> Demo:
             ("a row whose splits are all empty: lse = (-inf, -inf)",
              (np.zeros((1, 2, 1)), np.array([[-np.inf, -np.inf]]))),
         ],
-        run=lambda fn, args: fn(*args),
         right=lambda args: _merge(*args),
         names=("o", "lse"),
     )
@@ -270,7 +269,6 @@ def _splits_demo() -> Demo:
     return Demo(
         examples=[("n = 1, m = 10 keys, d = 2, 4 splits (L = 3: the last split holds 1 key)", (*qkv(10, 9), 4)),
                   ("n = 1, m = 5 keys, 4 splits (L = 2: the last split is empty)", (*qkv(5, 10), 4))],
-        run=lambda fn, args: fn(*args),
         right=lambda args: _split_truth(*args),
         names=("o_parts", "lse_parts"),
     )
@@ -279,7 +277,6 @@ def _splits_demo() -> Demo:
 def _cache_bytes_demo() -> Demo:
     return Demo(
         examples=[("batch = 1, kv_heads = 8, m = 128000, d = 128, bf16 (2 bytes)", (1, 8, 128_000, 128, 2))],
-        run=lambda fn, args: fn(*args),
         right=lambda args: _bytes(*args),
         names=("bytes",),
     )
