@@ -517,8 +517,7 @@ def _shorten(text: str, width: int) -> str:
 # ------------------------------------------------------------------------------------------------ the chapter
 class Showcase:
     """What chapter 9 calls: ``book.show(lab_id, phrase)`` prints the report of the mistake whose message holds
-    ``phrase``;
-    ``book.rest()`` prints every mistake not shown yet (new labs' and new mutants' included)."""
+    ``phrase``; ``book.rest()`` prints every mistake not shown yet (new labs' and new mutants' included)."""
 
     def __init__(self, seed: int = SEED) -> None:
         self.seed = seed
