@@ -576,6 +576,10 @@ def _main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--labs", nargs="*", default=None, help="lab ids (default: all)")
     p.add_argument("--simulator", action="store_true", help="include the labs graded in the CUDA simulator (slow)")
     args = p.parse_args(argv)
+    if args.simulator:  # chosen before anything imports numba.cuda, as the simulator must be
+        from .numba_kernels import use_simulator
+
+        use_simulator()
     misses = seed_sweep(range(args.first, args.first + args.seeds), args.labs, simulator=args.simulator,
                         progress=lambda line: print(line, flush=True))
     for mistake, seed, feedback in misses:

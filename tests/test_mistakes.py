@@ -372,3 +372,13 @@ def test_seed_sweep_grades_each_mistake_with_every_seed(capsys):
     assert len(lines) == sum(mistakes.runnable_here(m) for m in mistakes.catalogue(["lab01"]))
     assert all(line.startswith("ok   Mistake(lab01") for line in lines)
     assert mistakes._main(["--seeds", "1", "--labs", "lab02"]) == 0
+
+
+def test_seed_sweep_cli_chooses_the_simulator_itself():
+    """`--simulator` works from a plain shell: the CLI picks the simulator before numba.cuda is imported."""
+    labs = [lab for lab in LABS if mistakes.needs_simulator(lab) and not mistakes.needs_gpu(lab)]
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    out = subprocess.run([sys.executable, "-m", "flashlab.mistakes", "--simulator", "--seeds", "1", "--labs", *labs],
+                         env=env, capture_output=True, text=True, timeout=600, cwd=mistakes.ROOT)
+    assert out.returncode == 0 and out.stdout.rstrip().endswith("0 misses"), out.stdout[-3000:] + out.stderr[-2000:]
+    assert out.stdout.count("ok   Mistake(") == len(mistakes.catalogue(labs))
