@@ -1,6 +1,7 @@
 """The common-mistakes catalogue (flashlab.mistakes, chapter 9): complete, runnable, and named by its graders.
 
-If a test here fails after you added a mutant or a lab, its message says what to add to flashlab/mistakes.py.
+If a test here fails after you added a mutant or a lab, its message says what to add to the lab's grading module
+(``KNOWN_MISTAKES`` in flashlab/grading/labNN.py); flashlab/mistakes.py itself knows no lab.
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ import pytest
 
 from flashlab import mistakes
 from flashlab.grading import core, get_lab
+from flashlab.grading.known import Demo, HandWritten, KnownMistakes, OtherDiagnosis, demo_qkv
 
 LABS = mistakes.labs()
-FIX = "flashlab/mistakes.py"
+
+
+def _fix(lab_id: str) -> str:
+    return f"KNOWN_MISTAKES in flashlab/grading/{lab_id}.py"
 
 
 def _module_mutants(module) -> list[tuple[str, object]]:
@@ -45,7 +50,7 @@ def test_every_module_level_mutant_is_in_the_catalogue(lab_id):
             f"{lab_id}.{where} ({mutant.message[:70]!r}) is missing from flashlab.mistakes.catalogue(). A mutant "
             f"belongs to the question whose function uses its module-level list (directly or through the lab "
             f"module's own helper functions). Keep it in a module-level list or tuple that exactly one question uses, "
-            f"or add ({lab_id!r}, '<LIST NAME>'): '<question>' to QUESTION_OF in {FIX}. "
+            f"or add question_of={{'<LIST NAME>': '<question>'}} to {_fix(lab_id)}. "
             f"Unmapped lists: {mistakes.unmapped_groups(lab_id)}"
         )
 
@@ -59,7 +64,8 @@ def test_every_declared_mutant_is_in_the_catalogue(lab_id):
         if owner in questions:
             assert message is not None, (
                 f"{lab_id}: a Mutant inside {owner}() has a message that is not a string literal or a module "
-                f"constant, so {FIX} cannot read it: write it as a literal (or a module-level str constant)"
+                f"constant, so flashlab/mistakes.py cannot read it: write it as a literal (or a module-level str "
+                f"constant)"
             )
         if message is not None:
             assert message in messages, f"{lab_id}: {message[:70]!r} (in {owner or 'module'}) is not catalogued"
@@ -70,7 +76,7 @@ def test_every_mutant_list_belongs_to_one_question(lab_id):
     unmapped = mistakes.unmapped_groups(lab_id)
     assert not unmapped, (
         f"{lab_id}: these mutant lists are used by no question function, or by several: {unmapped}. Add "
-        f"({lab_id!r}, '<LIST NAME>'): '<question>' to QUESTION_OF in {FIX}."
+        f"question_of={{'<LIST NAME>': '<question>'}} to {_fix(lab_id)}."
     )
 
 
@@ -78,25 +84,38 @@ def test_every_mistake_has_an_implementation_to_run():
     missing = [m for m in mistakes.catalogue() if m.fn is None]
     assert not missing, (
         f"no wrong implementation for {missing}. A Mutant with fn=None (recognised by a predicate) needs a "
-        f"HandWritten entry in HAND_WRITTEN, keyed (lab, question, start of its message); a lab whose mutants are "
-        f"not Python functions (like lab 06's CUDA loop bodies) needs a SUBMISSIONS entry, in {FIX}."
+        f"HandWritten entry in KNOWN_MISTAKES.hand_written, keyed (question, start of its message); a lab whose "
+        f"mutants are not Python functions (like lab 06's CUDA loop bodies) needs KNOWN_MISTAKES.submission, in "
+        f"its module flashlab/grading/labNN.py."
     )
 
 
-def test_tables_name_things_that_exist():
-    catalogue = mistakes.catalogue()
-    for lab_id, question, start in [*mistakes.HAND_WRITTEN, *mistakes.EXPECT]:
-        assert any(m.lab_id == lab_id and m.question == question and m.message.startswith(start)
-                   for m in catalogue), f"stale entry in {FIX}: no mutant of {lab_id} {question} starts with {start!r}"
-    for (lab_id, group), question in mistakes.QUESTION_OF.items():
+@pytest.mark.parametrize("lab_id", LABS)
+def test_known_mistakes_name_things_that_exist(lab_id):
+    book = mistakes.known(lab_id)
+    assert isinstance(book, KnownMistakes)
+    found = mistakes.catalogue([lab_id])
+    for question, start in [*book.hand_written, *book.expect]:
+        assert any(m.question == question and m.message.startswith(start) for m in found), (
+            f"stale entry in {_fix(lab_id)}: no mutant of {lab_id} {question} starts with {start!r}")
+    for group, question in book.question_of.items():
         assert group in mistakes.mutant_groups(lab_id) and question in get_lab(lab_id).questions, (lab_id, group)
-    for (lab_id, group), obj in mistakes.OBJECT_OF.items():
+    for group, obj in book.object_of.items():
         questions = mistakes.group_questions(lab_id).get(group)
         assert questions and obj in get_lab(lab_id).questions[questions[0]].objects, (lab_id, group, obj)
-    for lab_id, key in mistakes.DEMOS:
+    for key in book.demos:
         assert key in mistakes.mutant_groups(lab_id) or key in get_lab(lab_id).questions, (lab_id, key)
-    for other in mistakes.OTHER_DIAGNOSES:
-        assert other.obj in get_lab(other.lab_id).questions[other.question].objects, other
+    for other in book.other_diagnoses:
+        assert other.obj in get_lab(lab_id).questions[other.question].objects, (lab_id, other)
+
+
+def test_mistakes_module_knows_no_lab():
+    """Everything about one lab lives in its grading module: flashlab/mistakes.py names none."""
+    import re
+
+    text = (mistakes.ROOT / "flashlab" / "mistakes.py").read_text()
+    named = sorted(set(re.findall(r"lab[ _]?\d\d", text)))
+    assert not named, f"flashlab/mistakes.py names {named}: move that knowledge to the lab's {_fix('labNN')}"
 
 
 def test_multi_object_questions_replace_the_right_object():
@@ -129,7 +148,7 @@ def test_each_mistake_is_named_by_its_grader(mistake):
     assert result.score < result.max_score, f"{mistake!r} scored full marks:\n{result.feedback}"
     assert mistakes.diagnosed(mistake, result), (
         f"{mistake!r} is not named ({mistake.expect!r} not in the feedback, seed {result.seed}):\n{result.feedback}\n"
-        f"If the grader names it in other words on purpose, add the phrase to EXPECT in {FIX}."
+        f"If the grader names it in other words on purpose, add the phrase to expect= in {_fix(mistake.lab_id)}."
     )
 
 
@@ -221,8 +240,7 @@ def test_demo_rights_are_the_truth():
     assert float(row.right[0]) == pytest.approx(_softmax_average(scores, values), abs=1e-12)
     assert float(row.right[0]) == pytest.approx(float(online.attend(scores, values)), abs=1e-12)
     rows = mistakes.demo(mistakes.find("lab02", "ragged K/V tile"))
-    rng_q = mistakes._small_qkv(3, 5, 2, 1, seed=1)
-    O, L = reference.attention(*rng_q)
+    O, L = reference.attention(*demo_qkv(3, 5, 2, 1, seed=1))
     assert np.allclose(rows[0].right[0], O, atol=1e-14) and np.allclose(rows[0].right[1], L, atol=1e-14)
 
 
@@ -312,6 +330,24 @@ def test_a_new_lab_is_picked_up_without_editing_the_catalogue(new_lab):
     assert {m.message for m in book.remaining(["lab98"])} == {m.message for m in found}
 
 
+def test_a_new_labs_known_mistakes_are_picked_up_from_its_module(new_lab):
+    """The recipe for a mistake that no module-level list holds: declare it in the lab's KNOWN_MISTAKES."""
+    new_lab.KNOWN_MISTAKES = KnownMistakes(
+        demos={"DOUBLE_MUTANTS": lambda: Demo([("x = 3", (3.0,))], right=lambda args: args[0], names=("x",))},
+        hand_written={("q2", "negated"): [HandWritten("returns -x", lambda: lambda x: -x)]},
+        other_diagnoses=[OtherDiagnosis("q1", "ident", "zero everywhere",
+                                        HandWritten("returns 0", lambda: lambda x: 0.0 * x, expect="identity"))],
+    )
+    mistakes._catalogue.cache_clear()
+    by_group = {m.group: m for m in mistakes.catalogue(["lab98"])}
+    negated = by_group["inside q2"]
+    assert negated.variant == "returns -x" and mistakes.diagnosed(negated, mistakes.grade(negated))
+    other = by_group["other diagnoses"]
+    assert other.obj == "ident" and mistakes.diagnosed(other, mistakes.grade(other))
+    rows = mistakes.demo(by_group["DOUBLE_MUTANTS"])
+    assert rows[0].differs and float(rows[0].wrong[0]) == 6.0 and float(rows[0].right[0]) == 3.0
+
+
 def test_a_list_no_question_uses_is_reported(new_lab):
     new_lab.ORPHAN_MUTANTS = [core.Mutant("never used", fn=lambda x: x)]
     mistakes._catalogue.cache_clear()
@@ -336,3 +372,13 @@ def test_seed_sweep_grades_each_mistake_with_every_seed(capsys):
     assert len(lines) == sum(mistakes.runnable_here(m) for m in mistakes.catalogue(["lab01"]))
     assert all(line.startswith("ok   Mistake(lab01") for line in lines)
     assert mistakes._main(["--seeds", "1", "--labs", "lab02"]) == 0
+
+
+def test_seed_sweep_cli_chooses_the_simulator_itself():
+    """`--simulator` works from a plain shell: the CLI picks the simulator before numba.cuda is imported."""
+    labs = [lab for lab in LABS if mistakes.needs_simulator(lab) and not mistakes.needs_gpu(lab)]
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    out = subprocess.run([sys.executable, "-m", "flashlab.mistakes", "--simulator", "--seeds", "1", "--labs", *labs],
+                         env=env, capture_output=True, text=True, timeout=600, cwd=mistakes.ROOT)
+    assert out.returncode == 0 and out.stdout.rstrip().endswith("0 misses"), out.stdout[-3000:] + out.stderr[-2000:]
+    assert out.stdout.count("ok   Mistake(") == len(mistakes.catalogue(labs))

@@ -1,7 +1,7 @@
 """Grading for FlashLab's labs: check cells with points and diagnoses, the release step, the batch grader.
 
-How to add a lab (e.g. lab 03) — two files, nothing else to edit
-===============================================================
+How to add a lab (e.g. lab 03, the lab of chapter 03) — two files to write
+=========================================================================
 
 1. ``solutions/lab03_<topic>.ipynb`` — the solved lab, the single source. Student code sits between
    ``### BEGIN SOLUTION`` and ``### END SOLUTION`` lines (inside a function body, so the ``def`` line stays in
@@ -25,6 +25,8 @@ How to add a lab (e.g. lab 03) — two files, nothing else to edit
        def _no_scale(Q, K, V, dO):                 # a known-wrong implementation: a "mutant"
            ...
 
+       MUTANTS = [Mutant("missing the 1/sqrt(d) scale", fn=_no_scale)]   # module level: chapter 9 finds it
+
        @LAB.question("q1", points=4, objects=("flash_backward",))
        def q1(t, flash_backward):
            "flash_backward matches the reference gradients."
@@ -34,7 +36,7 @@ How to add a lab (e.g. lab 03) — two files, nothing else to edit
                cases.append(Case((t.rng.standard_normal((n, d)), ...), label=f"n={n}"))
            t.compare("random shapes", 3, student=flash_backward, cases=cases,
                      reference=lambda c: my_reference(*c.args), names=("dQ", "dK", "dV"),
-                     mutants=[Mutant("missing the 1/sqrt(d) scale", fn=_no_scale)])
+                     mutants=MUTANTS)
            t.memory("never builds the n x m matrix", 1, flash_backward, big_args, limit_bytes=n * m * 2,
                     reference=my_reference(*big_args))
 
@@ -50,6 +52,16 @@ How to add a lab (e.g. lab 03) — two files, nothing else to edit
    Add your lab's notebooks to the tests by nothing more than committing them: ``tests/test_labs.py`` grades
    every ``solutions/lab*.ipynb`` (must score full marks) and every released ``labs/lab*.ipynb`` (must score 0).
    Test your mutants' diagnoses directly: ``run_question("lab03", "q1", [mutant_fn]).feedback``.
+
+   Chapter 9 (:mod:`flashlab.mistakes`) lists, runs and grades every mutant of the module by itself: keep them in
+   module-level lists (``MUTANTS = [...]``) that one question uses. What it cannot find, the same module
+   declares in ``KNOWN_MISTAKES = KnownMistakes(...)`` (:mod:`flashlab.grading.known`): small telling inputs per
+   list (``demos``), wrong implementations for mutants without ``fn`` (``hand_written``), diagnoses that are not
+   mutants (``other_diagnoses``). ``tests/test_mistakes.py`` says what is missing; ``python -m flashlab.mistakes
+   --labs lab03 --seeds 40`` checks that every diagnosis holds whatever the random draw.
+
+The lab carries its chapter's number: chapter ``03_*.ipynb`` and the README's map link ``labs/lab03_<topic>.ipynb``
+(``tests/test_layout.py`` checks every such pointer).
 """
 
 from .core import Case, Checker, Lab, Mutant, Result, Trial, available_labs, get_lab, grade_namespace, lab, run_question

@@ -6,6 +6,7 @@ import numpy as np
 
 from .. import online
 from .core import Case, Lab, Mutant, Trial
+from .known import Demo, KnownMistakes
 
 LAB = Lab("lab01", "Online softmax")
 
@@ -312,3 +313,60 @@ def q3(t: Trial, attend_in_blocks) -> None:
 
     t.compare("blocks of any size", 2, student=attend_in_blocks, cases=cases, reference=ref, mutants=ATTEND_MUTANTS,
               names=("result",))
+
+
+# ------------------------------------------------------------------------------ chapter 9: the known mistakes
+def _result_of(state) -> tuple:
+    m, l, u = (np.asarray(x, dtype=float) for x in state)
+    with np.errstate(all="ignore"):
+        result = np.where(l == 0, 0.0, u / np.where(l == 0, 1.0, l))  # an empty row's result is 0 by convention
+    return (result, m, l, u)
+
+
+def _update_demo() -> Demo:
+    return Demo(
+        examples=[
+            ("the scalar example: scores [0, 0, ln 3, ln 3], values [0, 0, 1, 1], two blocks of two",
+             (np.array([0, 0, LN3, LN3]), np.array([0.0, 0, 1, 1]), [2])),
+            ("logits near 1000: scores [998, 1000], values [0, 1], one score per block",
+             (np.array([998.0, 1000.0]), np.array([0.0, 1.0]), [1])),
+            ("a fully masked first block: scores [-inf, -inf, 0, ln 3], values [5, 5, 0, 1], two blocks of two",
+             (np.array([-np.inf, -np.inf, 0, LN3]), np.array([5.0, 5, 0, 1]), [2])),
+        ],
+        run=lambda fn, args: _result_of(_fold(fn, Case(args))),
+        right=lambda args: _result_of(_ref_state(args[0], args[1])),
+        names=("result u/l", "m", "l", "u"),
+    )
+
+
+def _merge_demo() -> Demo:
+    return Demo(
+        examples=[
+            ("the scalar example split in two: scores [0, 0 | ln 3, ln 3], values [0, 0 | 1, 1]",
+             (np.array([0, 0, LN3, LN3]), np.array([0.0, 0, 1, 1]), 2)),
+            ("logits +-1000: scores [1000 | -1000], values [1 | 0]", (np.array([1000.0, -1000.0]), np.array([1.0, 0]),
+                                                                     1)),
+            ("both halves fully masked: scores [-inf | -inf]", (np.array([-np.inf, -np.inf]), np.array([1.0, 2.0]),
+                                                                1)),
+        ],
+        run=lambda fn, args: _result_of(_merge_run(fn, Case(args))),
+        right=lambda args: _result_of(_ref_state(args[0], args[1])),
+        names=("result u/l", "m", "l", "u"),
+    )
+
+
+def _attend_demo() -> Demo:
+    return Demo(
+        examples=[
+            ("the scalar example, block = 2", (np.array([0, 0, LN3, LN3]), np.array([0.0, 0, 1, 1]), 2)),
+            ("a ragged last block: scores [0, 0, ln 3, ln 3, 2], values [0, 0, 1, 1, 4], block = 2",
+             (np.array([0, 0, LN3, LN3, 2.0]), np.array([0.0, 0, 1, 1, 4]), 2)),
+        ],
+        right=lambda args: online.attend(args[0], args[1]),
+        names=("result",),
+    )
+
+
+KNOWN_MISTAKES = KnownMistakes(
+    demos={"UPDATE_MUTANTS": _update_demo, "MERGE_MUTANTS": _merge_demo, "ATTEND_MUTANTS": _attend_demo},
+)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import reference
+from .. import reference, tiled
 from .core import Case, Lab, Mutant, Trial, allclose
+from .known import Demo, HandWritten, KnownMistakes, OtherDiagnosis, demo_qkv
 
 LAB = Lab("lab02", "The tiled forward pass")
 
@@ -227,3 +228,59 @@ def q2(t: Trial, flash_forward) -> None:
         reference=reference.attention(Q, K, V),
         hint=f"An n x m float64 matrix is {n * m * 8 / 1e6:.1f} MB: build scores one block_q x block_k tile at a time.",
     )
+
+
+# ------------------------------------------------------------------------------ chapter 9: the known mistakes
+def _drop_last_query_tile(Q, K, V, block_q, block_k):
+    """The tile loop stops at the last full query tile: ``range(0, n - n % block_q, block_q)``."""
+    n = Q.shape[0]
+    O, L = np.zeros((n, V.shape[1])), np.zeros(n)
+    for q0 in range(0, n - n % block_q, block_q):
+        O[q0:q0 + block_q], L[q0:q0 + block_q] = tiled.forward(Q[q0:q0 + block_q], K, V, block_q=block_q,
+                                                               block_k=block_k)
+    return O, L
+
+
+def _whole_score_matrix(Q, K, V, block_q, block_k):
+    """Right, but builds the whole n x m score matrix (plain softmax attention)."""
+    S = Q @ K.T / np.sqrt(Q.shape[1])
+    m = S.max(axis=1, keepdims=True)
+    P = np.exp(S - m)
+    l = P.sum(axis=1, keepdims=True)
+    return (P @ V) / l, (m + np.log(l))[:, 0]
+
+
+def _tiles_demo() -> Demo:
+    return Demo(
+        examples=[("n = 7, block = 3", (7, 3)), ("n = 6, block = 3", (6, 3)), ("n = 2, block = 5", (2, 5))],
+        run=lambda fn, args: _tiles_run(fn, Case(args)),
+        right=lambda args: _tiles_run(_tiles_ref, Case(args)),
+        names=("tiles (start, stop)",),
+    )
+
+
+def _forward_demo() -> Demo:
+    return Demo(
+        examples=[
+            ("random, n = 3, m = 5, d = 2, dv = 1, block_q = block_k = 2 (both last tiles ragged)",
+             (*demo_qkv(3, 5, 2, 1, seed=1), 2, 2)),
+            ("the same shapes with scores up to 1000", (*demo_qkv(3, 5, 2, 1, seed=1, top=1000.0), 2, 2)),
+        ],
+        right=lambda args: reference.attention(*args[:3]),
+        names=("O", "L"),
+    )
+
+
+KNOWN_MISTAKES = KnownMistakes(
+    demos={"TILES_MUTANTS": _tiles_demo, "FORWARD_MUTANTS": _forward_demo},
+    hand_written={
+        ("q2", "the last ragged query tile is dropped"): [
+            HandWritten("the query loop is range(0, n - n % block_q, block_q)", lambda: _drop_last_query_tile),
+        ],
+    },
+    other_diagnoses=[
+        OtherDiagnosis("q2", "flash_forward", "the whole n x m score matrix is built (right answer, too much memory)",
+                       HandWritten("plain softmax attention, S = Q K^T / sqrt(d) in one piece",
+                                   lambda: _whole_score_matrix, expect="one block_q x block_k tile at a time")),
+    ],
+)

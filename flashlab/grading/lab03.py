@@ -17,6 +17,7 @@ import math
 
 from .. import iocount
 from .core import Case, Lab, Mutant, NotImplementedYet, Trial
+from .known import Demo, HandWritten, KnownMistakes, OtherDiagnosis
 
 LAB = Lab("lab03", "Counting memory accesses")
 
@@ -230,3 +231,46 @@ def q3(t: Trial, traffic_ratio) -> None:
         return standard / iocount.predict("kv_outer", n, d, sram=sram).accesses
 
     t.compare("ratio", 1, student=traffic_ratio, cases=cases, reference=truth, names=("ratio",), rtol=1e-9)
+
+
+# ------------------------------------------------------------------------------ chapter 9: the known mistakes
+def _counts_demo(algorithm: str, examples: list[tuple[str, tuple]]) -> Demo:
+    return Demo(
+        examples=examples,
+        right=lambda args: _rw(iocount.predict(algorithm, args[0], args[1], sram=args[2], block_q=args[3],
+                                               block_k=args[4])),
+        names=("reads", "writes"),
+    )
+
+
+_TILED_COUNT_EXAMPLES = [("n = 1000, d = 64, M = 20000, block_q = 48, block_k = 64", (1000, 64, 20000, 48, 64))]
+
+
+def _blocks_demo() -> Demo:
+    return Demo(
+        examples=[("d = 64, M = 1000", (64, 1000)), ("d = 64, M = 116224 (227 KB of bf16)", (64, 116224))],
+        right=lambda args: iocount.default_blocks("kv_outer", *args),
+        names=("(B_r, B_c)",),
+    )
+
+
+KNOWN_MISTAKES = KnownMistakes(
+    demos={
+        "STANDARD_MUTANTS": lambda: _counts_demo("standard", [
+            ("n = 1000 <= M = 20000, block_q = block_k = 96", (1000, 64, 20000, 96, 96)),
+            ("n = 5000 > M = 4096 (a row of S does not fit), blocks 32", (5000, 64, 4096, 32, 32))]),
+        "KV_OUTER_MUTANTS": lambda: _counts_demo("kv_outer", _TILED_COUNT_EXAMPLES),
+        "Q_OUTER_MUTANTS": lambda: _counts_demo("q_outer", _TILED_COUNT_EXAMPLES),
+        "BLOCK_MUTANTS": _blocks_demo,
+    },
+    other_diagnoses=[
+        OtherDiagnosis("q2", "best_q_outer_blocks", "blocks that do not fit in SRAM",
+                       HandWritten("B_r = M / d (forgets that K and V tiles need room too)",
+                                   lambda: lambda n, d, sram: (sram // d, 1), expect="do not fit")),
+        OtherDiagnosis("q2", "best_q_outer_blocks", "the paper's blocks reused for FlashAttention-2's order",
+                       HandWritten("the blocks of Algorithm 1 for the q-outer order",
+                                   lambda: lambda n, d, sram: iocount.default_blocks("q_outer", d, sram),
+                                   expect="is possible")),
+    ],
+    object_of={"BLOCK_MUTANTS": "paper_blocks"},
+)

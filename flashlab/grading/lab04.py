@@ -17,6 +17,7 @@ import numpy as np
 
 from .. import reference, tiled
 from .core import Case, Lab, Mutant, Trial
+from .known import Demo, HandWritten, KnownMistakes, OtherDiagnosis, demo_qkv
 
 LAB = Lab("lab04", "The backward pass with recomputation")
 
@@ -180,3 +181,40 @@ def q2(t: Trial, backward_flops) -> None:
         cases.append(Case((n, m, d, dv, bool(i % 2)), f"n={n}, m={m}, d={d}, dv={dv}, recompute={bool(i % 2)}"))
     t.compare("FLOPs", 1, student=backward_flops, cases=cases, reference=lambda c: _flops(*c.args),
               mutants=FLOP_MUTANTS, names=("flops",), rtol=0, atol=0.5)
+
+
+# ------------------------------------------------------------------------------ chapter 9: the known mistakes
+def _stores_p(Q, K, V, O, L, dO, block_q, block_k):
+    """Right, but keeps the whole n x m matrix P (the backward without recomputation)."""
+    return reference.attention_backward(Q, K, V, dO)
+
+
+def _backward_demo() -> Demo:
+    Q, K, V = demo_qkv(4, 4, 2, 2, seed=3)
+    dO = np.random.default_rng(3 + 100).standard_normal((4, 2))
+    O, L = tiled.forward(Q, K, V, block_q=8, block_k=8)
+    return Demo(
+        examples=[("random, n = m = 4, d = dv = 2, block_q = block_k = 2", (Q, K, V, O, L, dO, 2, 2))],
+        right=lambda args: reference.attention_backward(args[0], args[1], args[2], args[5]),
+        names=("dQ", "dK", "dV"),
+    )
+
+
+def _flops_demo() -> Demo:
+    return Demo(
+        examples=[("n = m = 1024, d = dv = 64, recompute", (1024, 1024, 64, 64, True)),
+                  ("n = 1000, m = 500, d = 64, dv = 32, recompute", (1000, 500, 64, 32, True))],
+        right=lambda args: _flops(*args),
+        names=("FLOPs",),
+    )
+
+
+KNOWN_MISTAKES = KnownMistakes(
+    demos={"MUTANTS": _backward_demo, "FLOP_MUTANTS": _flops_demo},
+    other_diagnoses=[
+        OtherDiagnosis("q1", "flash_backward",
+                       "P is stored whole instead of recomputed tile by tile (right answer, too much memory)",
+                       HandWritten("the backward of plain attention, keeping P", lambda: _stores_p,
+                                   expect="recompute each block_q x block_k tile")),
+    ],
+)

@@ -19,11 +19,13 @@ q2 ``run_kernel(kernel, Q, K, V, BLOCK_Q)`` launches a (correct, package) kernel
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 
 from .. import numba_kernels, reference
 from .core import Case, Lab, Mutant, Trial, allclose
+from .known import Demo, HandWritten, KnownMistakes, OtherDiagnosis, demo_qkv, solution_variant
 
 LAB = Lab("lab05", "A FlashAttention kernel in numba.cuda")
 
@@ -226,3 +228,79 @@ def q2(t: Trial, run_kernel):
     t.compare("outputs of the launched kernel", 2, student=run_kernel, cases=cases, reference=_ref, run=run,
               mutants=LAUNCH_MUTANTS, names=("O", "L"))
     return None
+
+
+# ------------------------------------------------------------------------------ chapter 9: the known mistakes
+def _kernel(*edits: tuple[str, str]) -> Callable[[], Callable]:
+    """A builder of the solution's make_kernel with ``edits`` applied to its source."""
+    def build():
+        from numba import float32
+
+        return solution_variant("lab05", "make_kernel", edits, {"float32": float32})
+
+    return build
+
+
+_TILE_LOADED = "cuda.syncthreads()                           # the tile is complete before anyone reads it"
+_TILE_USED = "cuda.syncthreads()                           # everyone is done before the next tile overwrites it"
+
+
+def _launch_demo() -> Demo:
+    def run(fn, args):
+        Q, K, V, bq, bk = args
+        kernel = numba_kernels.make_cuda_kernel(bq, bk, Q.shape[2], V.shape[2], "float64")
+        return fn(kernel, Q, K, V, bq)
+
+    return Demo(
+        examples=[("batch = 3, n = 5, m = 5, d = 3, dv = 1, BLOCK_Q = BLOCK_K = 4",
+                   (*demo_qkv(5, 5, 3, 1, seed=4, batch=3), 4, 4))],
+        run=run,
+        right=lambda args: reference.attention(*args[:3]),
+        names=("O", "L"),
+    )
+
+
+def _kernel_demo() -> Demo:
+    def run(factory, args):
+        Q, K, V, bq, bk = args
+        with numba_kernels.trace_shared_memory() as trace:
+            O, L = numba_kernels.launch(factory(bq, bk, Q.shape[2], V.shape[2]), Q, K, V, block_q=bq)
+        return O, L, len(trace.races)
+
+    return Demo(
+        examples=[("batch = 1, n = 5, m = 6, d = dv = 2, BLOCK_Q = BLOCK_K = 4 (the last K/V tile holds 2 keys)",
+                   (*demo_qkv(5, 6, 2, 2, seed=6, batch=1), 4, 4))],
+        run=run,
+        right=lambda args: (*reference.attention(*args[:3]), 0),
+        names=("O", "L", "data races seen"),
+    )
+
+
+KNOWN_MISTAKES = KnownMistakes(
+    demos={"LAUNCH_MUTANTS": _launch_demo, "q1": _kernel_demo},
+    hand_written={
+        ("q1", "missing barrier"): [
+            HandWritten("no cuda.syncthreads() after loading a tile", _kernel((_TILE_LOADED, "pass"))),
+            HandWritten("no cuda.syncthreads() after using a tile", _kernel((_TILE_USED, "pass"))),
+        ],
+        ("q1", "reading past the last ragged tile"): [
+            HandWritten("the update walks all BLOCK_K rows of the last tile",
+                        _kernel(("range(min(BLOCK_K, m - k0))", "range(BLOCK_K)"))),
+            HandWritten("the tile load is not guarded by k0 + j < m", _kernel((" if k0 + j < m else 0.0", "")),
+                        expect="ragged tile"),
+        ],
+        ("q1", "shared tiles in a lower precision"): [
+            HandWritten("float32 shared tiles", _kernel(("shared.array((BLOCK_K, D), float64)",
+                                                         "shared.array((BLOCK_K, D), float32)"))),
+        ],
+    },
+    # The swapped grid often makes the simulator raise IndexError before any output can be matched; the grader
+    # then names it in its hint about the grid instead of by the message. Both name the grid this way.
+    expect={("q2", "grid axes swapped"): "(query blocks, batch)"},
+    other_diagnoses=[
+        OtherDiagnosis("q1", "make_kernel", "shared tile of the wrong size",
+                       HandWritten("the K tile allocated as (BLOCK_Q, D)",
+                                   _kernel(("shared.array((BLOCK_K, D)", "shared.array((BLOCK_Q, D)")),
+                                   expect="shared tile of the wrong size")),
+    ],
+)

@@ -43,6 +43,7 @@ import numpy as np
 from .. import reference
 from ..gpu import gpu_available, parse_resource_usage
 from .core import Lab, NotImplementedYet, Trial
+from .known import Demo, KnownMistakes
 
 LAB = Lab("lab06", "The online-softmax update in a CUDA kernel")
 
@@ -611,3 +612,29 @@ def q2(t: Trial, KERNEL):
     _check_part(t, "causal, including rows that see no key", 2, run, cases["causal"])
     _check_part(t, "huge logits (scores up to about +-2000)", 1, run, cases["huge"])
     return None
+
+
+# ------------------------------------------------------------------------------ chapter 9: the known mistakes
+def _mutants_demo() -> Demo:
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((1, n, 16)).astype(np.float32) for n in (3, 5, 5))
+    big = (rng.integers(-500, 501, (1, 3, 16)).astype(np.float32), rng.integers(-2, 3, (1, 5, 16)).astype(np.float32),
+           v)
+    return Demo(
+        examples=[("random, n = 3, m = 5, d = 16", (q, k, v, False)),
+                  ("causal with n = 5 > m = 3: the first two rows see no key", (k, q, q, True)),
+                  ("integer Q and K: scores up to about +-2000", (*big, False))],
+        run=lambda source, args: attention(source, *args[:3], causal=args[3]),
+        right=lambda args: reference.attention(*(a.astype(np.float64) for a in args[:3]), causal=args[3],
+                                               scale=float(np.float32(0.25))),
+        names=("O", "L"),
+        rtol=1e-4, atol=1e-5,  # fp32 kernels: rounding is not a mistake (lab 06 matches outputs within 1e-4)
+    )
+
+
+# A mutant here is a wrong loop body, not a function: a student hands in the notebook's KERNEL string with it.
+KNOWN_MISTAKES = KnownMistakes(
+    demos={"MUTANTS": _mutants_demo},
+    submission=lambda mutant: render(mutant.update),
+    sources=lambda mutant: (SOLUTION, mutant.update),
+)

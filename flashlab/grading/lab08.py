@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import reference
 from .core import Case, Lab, Mutant, Trial
+from .known import Demo, KnownMistakes
 
 LAB = Lab("lab08", "Split-KV decoding: partials and their merge")
 
@@ -242,3 +243,45 @@ def q3(t: Trial, kv_cache_bytes) -> None:
         cases.append(Case((b, h, m, d, bpv), f"batch={b}, kv_heads={h}, m={m}, d={d}, bytes_per_value={bpv}"))
     t.compare("cache bytes", 1, student=kv_cache_bytes, cases=cases, reference=lambda c: _bytes(*c.args),
               mutants=BYTES_MUTANTS, names=("bytes",), rtol=0, atol=0.5)
+
+
+# ------------------------------------------------------------------------------ chapter 9: the known mistakes
+def _partials_demo() -> Demo:
+    ln2, ln6 = float(np.log(2.0)), float(np.log(6.0))
+    return Demo(
+        examples=[
+            ("the scalar example as two splits: o = (0, 1), lse = (ln 2, ln 6)",
+             (np.array([[[0.0], [1.0]]]), np.array([[ln2, ln6]]))),
+            ("lse near 1000: o = (1, 0), lse = (1000, 998)", (np.array([[[1.0], [0.0]]]), np.array([[1000.0, 998.0]]))),
+            ("a row whose splits are all empty: lse = (-inf, -inf)",
+             (np.zeros((1, 2, 1)), np.array([[-np.inf, -np.inf]]))),
+        ],
+        right=lambda args: _merge(*args),
+        names=("o", "lse"),
+    )
+
+
+def _splits_demo() -> Demo:
+    def qkv(m, seed):
+        rng = np.random.default_rng(seed)
+        return rng.standard_normal((1, 2)), rng.standard_normal((m, 2)), rng.standard_normal((m, 1))
+
+    return Demo(
+        examples=[("n = 1, m = 10 keys, d = 2, 4 splits (L = 3: the last split holds 1 key)", (*qkv(10, 9), 4)),
+                  ("n = 1, m = 5 keys, 4 splits (L = 2: the last split is empty)", (*qkv(5, 10), 4))],
+        right=lambda args: _split_truth(*args),
+        names=("o_parts", "lse_parts"),
+    )
+
+
+def _cache_bytes_demo() -> Demo:
+    return Demo(
+        examples=[("batch = 1, kv_heads = 8, m = 128000, d = 128, bf16 (2 bytes)", (1, 8, 128_000, 128, 2))],
+        right=lambda args: _bytes(*args),
+        names=("bytes",),
+    )
+
+
+KNOWN_MISTAKES = KnownMistakes(
+    demos={"MERGE_MUTANTS": _partials_demo, "SPLIT_MUTANTS": _splits_demo, "BYTES_MUTANTS": _cache_bytes_demo},
+)
