@@ -18,6 +18,8 @@ COMMANDS = {
               "cpu|tune|profile"),
     "selfcheck": ("flashlab.gpu.selfcheck", "every GPU kernel once at small ragged shapes against a reference: the "
                   "run to put under compute-sanitizer"),
+    "mistakes": ("flashlab.mistakes", "every mistake the graders know, graded: mistakes [--seeds N] [--labs ...] "
+                 "[--simulator] (the seed sweep)"),
     "rungs": ("flashlab.gpu.rungs", "the kernel files side by side: rungs list | diff A B (what rung B changes) | "
               "helpers"),
     "flashlab.numba_cuda": ("flashlab.numba_cuda", "check chapter 5's Numba CUDA forward in the simulator "

@@ -566,7 +566,7 @@ def seed_sweep(seeds: Sequence[int], lab_ids: Sequence[str] | None = None, *, si
     return misses
 
 
-def _main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m flashlab.mistakes",
@@ -577,7 +577,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--simulator", action="store_true", help="include the labs graded in the CUDA simulator (slow)")
     args = p.parse_args(argv)
     if args.simulator:  # chosen before anything imports numba.cuda, as the simulator must be
-        from .numba_kernels import use_simulator
+        from .numba_cuda import use_simulator
 
         use_simulator()
     misses = seed_sweep(range(args.first, args.first + args.seeds), args.labs, simulator=args.simulator,
@@ -609,4 +609,4 @@ __all__ = [
 
 
 if __name__ == "__main__":
-    raise SystemExit(_main())
+    raise SystemExit(main())

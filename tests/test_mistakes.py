@@ -155,7 +155,7 @@ def test_each_mistake_is_named_by_its_grader(mistake):
 def _in_simulator(code: str, timeout: float = 300) -> dict:
     """Run ``code`` in a fresh Python with the CUDA simulator chosen first; it must print one JSON line last."""
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    script = "import json\nfrom flashlab import numba_kernels\nnumba_kernels.use_simulator()\n"
+    script = "import json\nfrom flashlab import numba_cuda\nnumba_cuda.use_simulator()\n"
     script += "from flashlab import mistakes\n" + textwrap.dedent(code)
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout,
                          cwd=mistakes.ROOT)
@@ -371,7 +371,7 @@ def test_seed_sweep_grades_each_mistake_with_every_seed(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == sum(mistakes.runnable_here(m) for m in mistakes.catalogue(["lab01"]))
     assert all(line.startswith("ok   Mistake(lab01") for line in lines)
-    assert mistakes._main(["--seeds", "1", "--labs", "lab02"]) == 0
+    assert mistakes.main(["--seeds", "1", "--labs", "lab02"]) == 0
 
 
 def test_seed_sweep_cli_chooses_the_simulator_itself():

@@ -2,7 +2,7 @@
 
 q1 ``make_kernel(BLOCK_Q, BLOCK_K, D, DV)`` returns the student's kernel (the tile loop is theirs: stage K and V
 tiles in shared memory, barrier, update each row's state, barrier). It is launched through
-:func:`flashlab.numba_kernels.launch` inside :func:`flashlab.numba_kernels.trace_shared_memory`, which records
+:func:`flashlab.numba_cuda.launch` inside :func:`flashlab.racetrace.trace_shared_memory`, which records
 every shared-memory access with the barrier count of the thread that made it. That makes the three classic
 mistakes visible whatever order the simulator ran the threads in:
 
@@ -23,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from .. import numba_kernels, reference
+from .. import numba_cuda, racetrace, reference
 from .core import Case, Lab, Mutant, Trial, allclose
 from .known import Demo, HandWritten, KnownMistakes, OtherDiagnosis, demo_qkv, solution_variant
 
@@ -63,7 +63,7 @@ def _zero_padded_ref(case: Case):
 @LAB.question("q1", points=6, objects=("make_kernel",))
 def q1(t: Trial, make_kernel):
     """make_kernel's kernel stages K/V tiles in shared memory, synchronises, and updates each row's state."""
-    if not numba_kernels.simulator_active():
+    if not numba_cuda.simulator_active():
         return 0.0, _NEEDS_SIMULATOR
     info: dict[str, dict] = {}
 
@@ -71,9 +71,9 @@ def q1(t: Trial, make_kernel):
         Q, K, V, bq, bk = case.args
         record = info.setdefault(case.label, {})
         kernel = factory(bq, bk, Q.shape[2], V.shape[2])
-        with numba_kernels.trace_shared_memory() as trace:
+        with racetrace.trace_shared_memory() as trace:
             try:
-                return numba_kernels.launch(kernel, Q, K, V, block_q=bq)
+                return numba_cuda.launch(kernel, Q, K, V, block_q=bq)
             except IndexError as e:
                 if trace.out_of_bounds:
                     name, index, shape = trace.out_of_bounds[0]
@@ -208,12 +208,12 @@ LAUNCH_MUTANTS = [
 @LAB.question("q2", points=2, objects=("run_kernel",))
 def q2(t: Trial, run_kernel):
     """run_kernel(kernel, Q, K, V, BLOCK_Q) launches one block of BLOCK_Q threads per query block and batch entry."""
-    if not numba_kernels.simulator_active():
+    if not numba_cuda.simulator_active():
         return 0.0, _NEEDS_SIMULATOR
 
     def run(fn, case: Case):
         Q, K, V, bq, bk = case.args
-        kernel = numba_kernels.make_cuda_kernel(bq, bk, Q.shape[2], V.shape[2], "float64")
+        kernel = numba_cuda.make_cuda_kernel(bq, bk, Q.shape[2], V.shape[2], "float64")
         try:
             return fn(kernel, Q, K, V, bq)
         except IndexError as e:
@@ -248,7 +248,7 @@ _TILE_USED = "cuda.syncthreads()                           # everyone is done be
 def _launch_demo() -> Demo:
     def run(fn, args):
         Q, K, V, bq, bk = args
-        kernel = numba_kernels.make_cuda_kernel(bq, bk, Q.shape[2], V.shape[2], "float64")
+        kernel = numba_cuda.make_cuda_kernel(bq, bk, Q.shape[2], V.shape[2], "float64")
         return fn(kernel, Q, K, V, bq)
 
     return Demo(
@@ -263,8 +263,8 @@ def _launch_demo() -> Demo:
 def _kernel_demo() -> Demo:
     def run(factory, args):
         Q, K, V, bq, bk = args
-        with numba_kernels.trace_shared_memory() as trace:
-            O, L = numba_kernels.launch(factory(bq, bk, Q.shape[2], V.shape[2]), Q, K, V, block_q=bq)
+        with racetrace.trace_shared_memory() as trace:
+            O, L = numba_cuda.launch(factory(bq, bk, Q.shape[2], V.shape[2]), Q, K, V, block_q=bq)
         return O, L, len(trace.races)
 
     return Demo(

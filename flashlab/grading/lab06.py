@@ -9,8 +9,8 @@ q1 (1 point) the source compiles and defines the three entry points ``attn_lab_d
    from the ``KERNEL = r\"\"\"`` line of the cell).
 q2 (5 points, GPU only) the kernel is launched on fresh random shapes (ragged n, m != n, several batch entries,
    d in {16, 32, 64}), outputs poisoned with NaN first, and compared with :mod:`flashlab.reference` by the rule
-   of CONVENTIONS §4 for fp32: ||out - ref|| / ||ref|| <= 1e-5 for O and for the finite entries of L, NaN
-   nowhere, and a row that sees no key (causal, n > m) must give O = 0 and L = -inf. Three parts: random
+   of CONTRIBUTING.md, Correctness, for fp32: ||out - ref|| / ||ref|| <= 1e-5 for O and for the finite entries
+   of L, NaN nowhere, and a row that sees no key (causal, n > m) must give O = 0 and L = -inf. Three parts: random
    shapes (2), causal with rows that see no key (2), huge logits (1). The huge-logit inputs have integer Q and K
    and d in {16, 64}, so that the scores (up to about +-2000) are exact in fp32 and the test measures the
    overflow of exp alone, not fp32 rounding of large scores.
@@ -49,7 +49,7 @@ LAB = Lab("lab06", "The online-softmax update in a CUDA kernel")
 
 HEAD_DIMS = (16, 32, 64)
 THREADS = 128  # threads per block: one query row each
-TOLERANCE = 1e-5  # fp32 rule of CONVENTIONS §4, relative in the 2-norm
+TOLERANCE = 1e-5  # fp32 rule of CONTRIBUTING.md, Correctness; relative in the 2-norm
 MATCH = 1e-4  # a student's output "matches" a mutant's when they differ by less than this (relative)
 NVCC_ARCH = 75  # Colab's T4: the oldest GPU the course supports
 Q1_POINTS, Q2_POINTS = 1, 5
