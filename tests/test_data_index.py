@@ -1,9 +1,11 @@
-"""data/README.md indexes data/: exactly the files there, who reads each, and the make target that regenerates it.
+"""data/README.md indexes data/: exactly the files there, who reads each, and what regenerates it.
 
-A reader listed for a file must name it (its path under data/, with or without the extension); a chapter or test
-that names a file must be listed as its reader; the make target listed for a file must write it (read from
-``make -n``, whose `python -m flashlab bench` commands are parsed by the benchmarks' own parsers); and the command
-recorded in each file's provenance must still parse, translated to today's entry point.
+Readers are chapters, tests, package modules and the notes in docs/. A reader listed for a file must name it (its
+path under data/, with or without the extension); a chapter, test or doc that names a file must be listed as its
+reader. The make target listed for a file must write it (read from ``make -n``, whose `python -m flashlab bench`
+commands are parsed by the benchmarks' own parsers); a file no target makes is regenerated "by hand" by the
+commands the index quotes, which must parse and write it the same way. The command recorded in each file's
+provenance must still parse, translated to today's entry point.
 """
 
 from __future__ import annotations
@@ -19,13 +21,17 @@ import subprocess
 
 import pytest
 
+import flashlab.gpu as fgpu
 from flashlab import records
 from flashlab.bench import KINDS
 from flashlab.bench import profile as bench_profile
+from flashlab.gpu import selfcheck
 
 DATA = records.DATA_DIR
 ROOT = records.ROOT
 ROW = re.compile(r"^\| `([^`]+)` \| (.*) \| (.*) \|$")
+# where a reader may live: the chapters, the tests, the package, the notes for readers
+READER_DIRS = ("notebooks/", "tests/", "flashlab/", "docs/")
 # the modules that made today's records, before `python -m flashlab bench KIND`
 EARLIER = {
     "flashlab.gpu.bench8 bwd": "backward",
@@ -74,13 +80,15 @@ def test_every_listed_reader_names_the_file(name):
     readers, _ = index()[name]
     assert readers, f"{name}: nothing reads it"
     for reader in readers:
+        assert reader.startswith(READER_DIRS), f"{name}: {reader} is not a chapter, test, module or doc"
         path = ROOT / reader
         assert path.is_file(), (name, reader)
         assert names(name, text_of(path)), f"{reader} does not name {name}"
 
 
-def test_every_chapter_and_test_that_names_a_file_is_listed_as_its_reader():
-    sources = sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "tests").glob("test_*.py"))
+def test_every_chapter_test_and_doc_that_names_a_file_is_listed_as_its_reader():
+    sources = (sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "tests").glob("test_*.py"))
+               + sorted((ROOT / "docs").rglob("*.md")))
     sources.remove(pathlib.Path(__file__))  # this file names no record: it reads the index
     missing = [(src.relative_to(ROOT).as_posix(), name) for src in sources for name in index()
                if names(name, text_of(src, code_only=True))
@@ -118,16 +126,33 @@ def invocations(command: str, prefix: str = "-m flashlab bench ") -> list[list[s
     return [shlex.split(re.split(r";|\|\||&&|>|\|", part, maxsplit=1)[0]) for part in command.split(prefix)[1:]]
 
 
+def check_selfcheck(argv: list[str]) -> None:
+    """Fail unless ``python -m flashlab selfcheck ARGV`` names a part it has, and rungs and options that exist."""
+    words = [w for w in argv if not w.startswith("-")]
+    assert not words or words[0] in selfcheck.PARTS, argv
+    assert set(words[1:]) <= set(fgpu.RUNGS), argv
+    assert set(argv) - set(words) <= {"--quick"}, argv
+
+
+def command_writes(command: str) -> set[str]:
+    """The files under data/ that one shell command line writes: its benchmarks' outputs and its redirections.
+    Its `python -m flashlab bench` and `python -m flashlab selfcheck` invocations must parse."""
+    written = {m[1] for m in re.finditer(r">\s*data/(\S+)", command)}
+    for kind, *argv in invocations(command):
+        written.update(written_by(kind, argv))
+    for argv in invocations(command, prefix="-m flashlab selfcheck"):
+        check_selfcheck(argv)
+    return written
+
+
 @functools.cache
 def make_writes(target: str) -> frozenset[str]:
-    """The files under data/ that ``make TARGET`` writes: its benchmarks' outputs and its redirections."""
+    """The files under data/ that ``make TARGET`` writes."""
     res = subprocess.run(["make", "-n", "-C", str(ROOT), target], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     written = set()
     for line in res.stdout.replace("\\\n", " ").splitlines():
-        written.update(m[1] for m in re.finditer(r">\s*data/(\S+)", line))
-        for kind, *argv in invocations(line):
-            written.update(written_by(kind, argv))
+        written.update(command_writes(line))
     return frozenset(written)
 
 
@@ -136,6 +161,11 @@ def make_writes(target: str) -> frozenset[str]:
 def test_the_listed_make_target_regenerates_the_file(name):
     _, how = index()[name]
     targets = re.findall(r"`make ([\w-]+)`", how)
+    if how.startswith("by hand"):
+        commands = [c for c in re.findall(r"`([^`]+)`", how) if "-m flashlab " in c]
+        assert commands and not targets, how
+        assert name in set().union(*map(command_writes, commands)), (name, commands)
+        return
     if not targets:
         assert how.startswith("not generated") and "source" in records.read_record(name), how
         return

@@ -25,7 +25,10 @@ NCU_SUMMARIES = {
     "ncu/paper_shape_dram_lean": "raw/ncu/ncu_paper_lean.csv",
     "ncu/paper_shape_dram_final": "raw/ncu/ncu_paper_final.csv",
     "ncu/instructions_lean_addressing": "raw/ncu/ncu_r9.csv",
+    "ncu/pipes_warp32_lean": "raw/ncu/ncu_pipes.csv",
 }
+# the tile-size sweeps behind the rungs' default tiles (docs/kernels.md)
+TUNE = ("benchmarks/tune_exp2_tiles", "benchmarks/tune_warp32", "benchmarks/tune_lean")
 # record -> (the benchmark that makes it now, the command that made it before `python -m flashlab bench KIND`)
 TRAINING = {
     "ch8/bwd": (backward, "python -m flashlab.gpu.bench8 bwd"),
@@ -54,6 +57,33 @@ def test_recorded_benchmarks_have_provenance_and_consistent_rows(name):
         expected = forward.flop(r["n"], r["d"], r["batch"], r["heads"], r["causal"]) / (r["median_ms"] * 1e-3) / 1e12
         assert r["tflops"] == pytest.approx(expected, rel=1e-3), (name, r)
     assert forward.format_rows(data["rows"]) and forward.markdown_table(data["rows"])  # what --table prints
+
+
+@pytest.mark.parametrize("name", TUNE)
+def test_tile_size_sweeps_have_provenance_and_consistent_rows(name):
+    data = records.read_record(name)
+    assert PROVENANCE_KEYS <= set(data["provenance"]), sorted(PROVENANCE_KEYS - set(data["provenance"]))
+    rung = name.split("tune_", 1)[1]
+    assert rung in fgpu.RUNGS
+    for r in data["rows"]:
+        assert r["impl"].startswith(f"{rung}_w{r['nwarps']}_c{r['bc']}"), r
+        expected = forward.flop(r["n"], r["d"], r["batch"], r["heads"], r["causal"]) / (r["median_ms"] * 1e-3) / 1e12
+        assert r["tflops"] == pytest.approx(expected, rel=1e-3), (name, r)
+        assert r["max_abs_diff_vs_default"] < 1e-2, r  # the same attention as the default tiles, in fp16
+
+
+def test_rung_6_default_tiles_are_the_fastest_recorded_at_d128():
+    """docs/kernels.md: rung 6's tile sizes were chosen from its sweep, where they win at d = 128."""
+    default = fgpu.RUNGS["exp2_tiles"]
+    rows = records.read_record("benchmarks/tune_exp2_tiles")["rows"]
+    configs = {(r["nwarps"], r["bc"]) for r in rows}
+    chosen = [c for c in configs if (fgpu.rung6_variant(*c).threads, fgpu.rung6_variant(*c).smem_per_d)
+              == (default.threads, default.smem_per_d)]
+    assert len(chosen) == 1, configs
+    for n, causal in {(r["n"], r["causal"]) for r in rows if r["d"] == 128}:
+        same = [r for r in rows if (r["d"], r["n"], r["causal"]) == (128, n, causal)]
+        fastest = max(same, key=lambda r: r["tflops"])
+        assert (fastest["nwarps"], fastest["bc"]) == chosen[0], (n, causal, fastest["impl"])
 
 
 def test_ladder_has_every_rung_and_the_references_in_one_run():
