@@ -367,6 +367,6 @@ def naive_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     return cp.matmul(p, v), lse
 
 
-# Chapter 8 (issue 6): split-KV decoding and the backward pass, in their own modules.
+# Chapter 8: split-KV decoding and the backward pass, in their own modules.
 from .backward import attention_backward as attention_backward  # noqa: E402  (re-export)
 from .decoding import decode as decode  # noqa: E402  (re-export)
