@@ -204,6 +204,22 @@ def test_two_submissions_with_one_id_are_an_error_not_an_overwrite(tmp_path):
     assert any("alice" in p for p in data["problems"])
 
 
+def test_several_labs_give_a_csv_each_and_one_feedback_file_per_student(tmp_path):
+    rows = [_row("lab01_alice.ipynb", {}), _row("lab02_alice.ipynb", {}, lab="lab02"),
+            _row("lab02_bob.ipynb", {"q1": 0}, lab="lab02")]
+    roster = [report.RosterEntry("alice"), report.RosterEntry("bob")]
+    report.write_gradebook(report.build(rows, id_pattern=re.compile(r"_(\w+)"), roster=roster), tmp_path)
+    lab1, lab2 = _read_csv(tmp_path / "lab01.csv"), _read_csv(tmp_path / "lab02.csv")
+    assert lab1["bob"]["error"] == report.NO_SUBMISSION and lab1["alice"]["error"] == ""
+    assert list(lab2) == ["alice", "bob"] and lab2["bob"]["q1"] == "0"
+    assert lab2["alice"]["max_score"] == str(get_lab("lab02").max_score)
+    assert lab2["alice"]["grader_version"] == report.grader_version("lab02") != lab1["alice"]["grader_version"]
+    alice = (tmp_path / "feedback" / "alice.md").read_text()
+    assert "## lab01" in alice and "## lab02" in alice
+    bob = (tmp_path / "feedback" / "bob.md").read_text()
+    assert "No submission was received for lab01" in bob and "## lab02" in bob
+
+
 # --------------------------------------------------------------------------------------- feedback and summary
 def test_feedback_shows_points_feedback_seed_replay_and_error(tmp_path):
     rows = [_row("lab01_alice.ipynb", {"q2": 0}, seed=1234), _row("lab01_bob.ipynb", None, error="ModuleNotFoundError:"
