@@ -133,6 +133,16 @@ def test_one_csv_per_lab_with_a_row_per_student(tmp_path):
     assert carol["error"] == "not a readable notebook" and carol["max_score"] == "10.0" and carol["sandboxed"] == ""
 
 
+def test_a_notebook_without_a_lab_goes_to_the_only_lab_of_the_run_else_is_reported():
+    garbage = _row("garbage.ipynb", None, error="not a readable notebook", lab=None)
+    book = report.build([_row("a.ipynb", {}), garbage])
+    assert [s.id for s in book.students["lab01"]] == ["a", "garbage"] and not book.unmatched
+    assert book.students["lab01"][1].row["max_score"] == get_lab("lab01").max_score
+    book = report.build([_row("a.ipynb", {}), _row("b.ipynb", {}, lab="lab02"), garbage])
+    assert [r["path"] for r, _ in book.unmatched] == ["garbage.ipynb"]
+    assert "cannot tell which lab" in book.problems[0]
+
+
 def test_rows_without_a_run_seed_show_the_questions_seeds():
     row = _row("a.ipynb", {}, seed=None)
     for q, seed in zip(row["questions"], (3, 4, 5), strict=True):

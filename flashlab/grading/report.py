@@ -276,6 +276,14 @@ def _placed(row: dict, lab_id: str) -> dict:
     return {**row, "lab": lab_id, "score": 0.0, "max_score": lab.max_score, "questions": questions}
 
 
+def _lab_of_unreadable(row: dict, labs: set[str], known: set[str]) -> str | None:
+    # An unreadable notebook has no lab: its name prefix, or the only lab of the run, still tells it.
+    prefix = _LAB_PREFIX.match(pathlib.PurePath(row["path"]).name)
+    if prefix and prefix.group(1) in known:
+        return prefix.group(1)
+    return next(iter(labs)) if len(labs) == 1 else None
+
+
 def build(rows: list[dict], *, id_pattern: re.Pattern | None = None, roster: list[RosterEntry] | None = None,
           lab_id: str | None = None, graded_at: str | None = None) -> Gradebook:
     """Sort graded rows into labs and students (see the module docstring for how ids are found)."""
@@ -286,10 +294,7 @@ def build(rows: list[dict], *, id_pattern: re.Pattern | None = None, roster: lis
     unmatched: list[tuple[dict, str]] = []
     for row in rows:
         if row["lab"] not in known:
-            # An unreadable notebook has no lab: its name prefix, or the only lab of the run, still tells it.
-            prefix = _LAB_PREFIX.match(pathlib.PurePath(row["path"]).name)
-            guess = prefix.group(1) if prefix and prefix.group(1) in known else (next(iter(labs)) if len(labs) == 1
-                                                                                 else None)
+            guess = _lab_of_unreadable(row, labs, known)
             if guess is None:
                 unmatched.append((row, "cannot tell which lab it belongs to: " + (row["error"] or "")))
                 continue
