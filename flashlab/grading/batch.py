@@ -1,4 +1,4 @@
-"""``python -m flashlab grade PATH... [--json] [--csv FILE] [--timeout S] [--jobs N] [--lab ID] [--feedback]``.
+"""``python -m flashlab grade PATH... [--json] [--csv FILE] [--out DIR] [--timeout S] [--jobs N] [--lab ID]``.
 
 Grades lab submissions (notebooks, or directories searched for ``*.ipynb``). For each submission:
 
@@ -20,8 +20,10 @@ or an unreadable notebook, gives an error row, not a crash.
 
 Output: a readable table (``--feedback`` adds each question's feedback), or with ``--json`` one object per
 submission per line: ``{"path", "lab", "score", "max_score", "questions": [{"name", "score", "max_score",
-"feedback"}], "error"}``. ``--csv FILE`` writes one row per submission (student = file stem), one column per
-question, and the total. A summary (mean per question) ends the run.
+"feedback", "seed", "diagnoses"}], "error"}``. ``--csv FILE`` writes one row per submission (student = file stem),
+one column per question, and the total. A summary (mean per question) ends the run. ``--out DIR`` writes a
+gradebook (a CSV per lab with a row per student, a feedback file per student, a class summary; students named by
+``--id-pattern`` or ``--roster``): see :mod:`flashlab.grading.report`, which writes every report.
 
 Known risk, not solved: the student's code runs in the same kernel as the grading cell, so a determined
 student could monkeypatch the grader (e.g. replace ``flashlab.grading.core.run_question``) or write a fake
@@ -35,7 +37,6 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
-import csv
 import json
 import os
 import pathlib
@@ -48,6 +49,7 @@ import tempfile
 import threading
 import time
 
+from . import report
 from .core import BATCH_ENV, available_labs, get_lab
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -252,67 +254,6 @@ def _worker(notebook: str, result_file: str, pid_file: str, lab_id: str, timeout
     return 0
 
 
-# ----------------------------------------------------------------------------------------------- reporting
-def _question_columns(rows: list[dict]) -> list[tuple[str, str]]:
-    """(lab, question) pairs in first-seen order."""
-    seen: dict[tuple[str, str], None] = {}
-    for row in rows:
-        for q in row["questions"]:
-            seen[(row["lab"], q["name"])] = None
-    return list(seen)
-
-
-def summary(rows: list[dict]) -> str:
-    """Mean score per question and of the total, per lab."""
-    lines = []
-    by_lab: dict[str, list[dict]] = collections.defaultdict(list)
-    for row in rows:
-        by_lab[row["lab"] or "(no lab)"].append(row)
-    for lab_id, group in by_lab.items():
-        parts = []
-        for _, name in _question_columns(group):
-            scores = [q for r in group for q in r["questions"] if q["name"] == name]
-            mean = sum(q["score"] for q in scores) / len(scores)
-            parts.append(f"{name} {mean:.2f}/{scores[0]['max_score']:g}")
-        total = sum(r["score"] for r in group) / len(group)
-        errors = sum(1 for r in group if r["error"])
-        top = max((r["max_score"] for r in group), default=0)
-        lines.append(
-            f"{lab_id}: {len(group)} submission(s), {errors} with errors; mean "
-            + ", ".join(parts + [f"total {total:.2f}/{top:g}"])
-        )
-    return "\n".join(lines)
-
-
-def table(rows: list[dict], feedback: bool = False) -> str:
-    width = max([len("submission")] + [len(r["path"]) for r in rows])
-    lines = [f"{'submission':<{width}}  {'lab':<6} {'score':>11}  questions"]
-    for r in rows:
-        qs = "  ".join(f"{q['name']} {q['score']:g}/{q['max_score']:g}" for q in r["questions"])
-        lines.append(f"{r['path']:<{width}}  {r['lab'] or '-':<6} {r['score']:>5g}/{r['max_score']:<5g}  {qs}")
-        if r["error"]:
-            lines.append(f"{'':<{width}}  error: {r['error']}")
-        elif feedback:
-            for q in r["questions"]:
-                if q["score"] < q["max_score"]:
-                    indented = q["feedback"].replace("\n", "\n" + " " * (width + 6))
-                    lines.append(f"{'':<{width}}  {q['name']}: {indented}")
-    return "\n".join(lines)
-
-
-def write_csv(rows: list[dict], path: str) -> None:
-    columns = _question_columns(rows)
-    one_lab = len({lab for lab, _ in columns}) <= 1
-    heads = [name if one_lab else f"{lab}.{name}" for lab, name in columns]
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["student", "path", "lab", *heads, "total", "max_score", "error"])
-        for r in rows:
-            got = {(r["lab"], q["name"]): q["score"] for q in r["questions"]}
-            w.writerow([pathlib.Path(r["path"]).stem, r["path"], r["lab"] or "",
-                        *[got.get(c, "") for c in columns], r["score"], r["max_score"], r["error"] or ""])
-
-
 # --------------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -321,22 +262,22 @@ def main(argv: list[str] | None = None) -> int:
         return _worker(notebook, result_file, pid_file, lab_id, float(timeout))
     parser = argparse.ArgumentParser(prog="python -m flashlab grade", description="grade lab submissions")
     parser.add_argument("paths", nargs="+", help="notebooks, or directories holding them")
-    parser.add_argument("--json", action="store_true", help="one JSON object per submission per line")
-    parser.add_argument("--csv", metavar="FILE", help="also write one row per submission to FILE")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds per submission (300)")
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="submissions in parallel")
     parser.add_argument("--lab", help="grade every submission as this lab (e.g. lab01)")
-    parser.add_argument("--feedback", action="store_true", help="table: show feedback of questions not at full marks")
+    report.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.timeout <= 0 or args.jobs < 1:
         parser.error("--timeout must be > 0 and --jobs >= 1")
     if args.lab and args.lab not in available_labs():
         parser.error(f"unknown lab {args.lab!r}; known: {', '.join(available_labs())}")
+    options = report.check_arguments(parser, args)
     paths = collect(args.paths)
     if not paths:
         print("no notebooks found in " + " ".join(args.paths), file=sys.stderr)
         return 2
     rows: list[dict | None] = [None] * len(paths)
+    graded_at = report.utc_now()
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
         futures = {pool.submit(grade_one, p, timeout=args.timeout, lab_id=args.lab): i for i, p in enumerate(paths)}
@@ -351,18 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             elapsed = time.perf_counter() - start
             print(f"[{done}/{len(paths)} {elapsed:5.1f}s] {paths[i]}: {status}", file=sys.stderr, flush=True)
     final = [r for r in rows if r is not None]
-    if args.json:
-        for r in final:
-            print(json.dumps(r))
-        print(summary(final), file=sys.stderr)
-    else:
-        print(table(final, args.feedback))
-        print()
-        print(summary(final))
-    if args.csv:
-        write_csv(final, args.csv)
-        print(f"wrote {args.csv}", file=sys.stderr)
-    return 0
+    return report.emit(final, args, options, lab_id=args.lab, graded_at=graded_at)
 
 
 if __name__ == "__main__":

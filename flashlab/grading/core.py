@@ -114,9 +114,17 @@ class Result:
     max_score: float
     feedback: str
     seed: int | None = None
+    #: Titles of the known mistakes the feedback names (:func:`mistake_title`), for the class summary.
+    diagnoses: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "score": self.score, "max_score": self.max_score, "feedback": self.feedback}
+        return {"name": self.name, "score": self.score, "max_score": self.max_score, "feedback": self.feedback,
+                "seed": self.seed, "diagnoses": list(self.diagnoses)}
+
+
+def mistake_title(message: str) -> str:
+    """A mutant message's first clause (up to ``: ``, ``; `` or ``. ``), e.g. "averaging block results"."""
+    return re.split(r"[:;]\s|\.\s", message, maxsplit=1)[0].strip().rstrip(".")
 
 
 class NotImplementedYet(Exception):
@@ -242,6 +250,7 @@ class Trial:
         # (student, run, case, expected, rtol, atol): each pass keeps the tolerance it was judged with, so that a
         # mutant is contradicted only where it would have failed that same check.
         self._passes: list[tuple[Any, Callable, Case, tuple, float, float]] = []
+        self.diagnoses: list[str] = []  # titles of the mistakes named, filled as the feedback is written
 
     # -- calling the student ---------------------------------------------------------------------------------
     def call(self, fn: Callable, *args, **kwargs):
@@ -383,6 +392,7 @@ class Trial:
         smallest = min(failures, key=lambda f: f[0].size)
         text = self._show_case(*smallest, names)
         if best is not None:
+            self.diagnoses.append(mistake_title(best.message))
             how = "all" if best_hits == len(failures) else f"{best_hits} of the {len(failures)}"
             return f"Likely mistake ({how} failing inputs match it): {best.message}\n{text}"
         return text
@@ -424,7 +434,8 @@ class Trial:
             mark = "ok  " if got == pts else "FAIL"
             lines.append(f"[{mark}] {label}: {got:g}/{pts:g}")
             lines += ["       " + m for m in msg.splitlines() if m]
-        return Result(name, round(score, 3), max_score, "\n".join(lines), self.seed)
+        diagnoses = list(dict.fromkeys(self.diagnoses))  # a mistake named by two parts counts once
+        return Result(name, round(score, 3), max_score, "\n".join(lines), self.seed, diagnoses)
 
 
 # ----------------------------------------------------------------------------------------------- running them
