@@ -35,7 +35,17 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .grading.core import Mutant, Result, allclose, as_outputs, available_labs, fmt, get_lab, run_question
+from .grading.core import (
+    Mutant,
+    Result,
+    allclose,
+    as_outputs,
+    available_labs,
+    fmt,
+    get_lab,
+    mistake_title,
+    run_question,
+)
 from .grading.known import ROOT, Demo, HandWritten, KnownMistakes, solution_object
 
 #: The seed every grading in the chapter uses, so that its messages are the same on every run.
@@ -65,8 +75,7 @@ class Mistake:
     @property
     def title(self) -> str:
         """The message's first clause, e.g. "averaging block results"."""
-        head = re.split(r"[:;]\s|\.\s", self.message, maxsplit=1)[0]
-        return head.strip().rstrip(".")
+        return mistake_title(self.message)
 
     def __repr__(self) -> str:
         extra = f", variant={self.variant!r}" if self.variant else ""

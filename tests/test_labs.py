@@ -127,7 +127,7 @@ def test_json_rows_have_the_documented_keys(graded):
     for r in graded["rows"]:
         assert {"path", "score", "max_score", "questions"} <= set(r)
         for q in r["questions"]:
-            assert set(q) == {"name", "score", "max_score", "feedback"}
+            assert set(q) == {"name", "score", "max_score", "feedback", "seed", "diagnoses"}
         assert r["score"] == pytest.approx(sum(q["score"] for q in r["questions"]))
 
 

@@ -42,7 +42,7 @@ import numpy as np
 
 from .. import reference
 from ..gpu import gpu_available, parse_resource_usage
-from .core import Lab, NotImplementedYet, Trial
+from .core import Lab, NotImplementedYet, Trial, mistake_title
 from .known import Demo, KnownMistakes
 
 LAB = Lab("lab06", "The online-softmax update in a CUDA kernel")
@@ -504,6 +504,7 @@ def _check_part(t: Trial, label: str, points: float, run: Runner, cases: list[Ca
         if best is None:
             return text
         how = "all" if best_hits == len(failures) else f"{best_hits} of the {len(failures)}"
+        t.diagnoses.append(mistake_title(best.message))
         return f"Likely mistake ({how} failing inputs match it): {best.message}\n{text}"
 
     t.parts.append((f"{label} (failed {len(failures)} of {len(cases)} inputs)", 0.0, points, diagnose))
