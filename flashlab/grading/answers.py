@@ -1,0 +1,224 @@
+"""The course's own answers cannot be handed in: a question that reaches them scores 0 and says so.
+
+The package implements every lab's task (``flashlab.online.update`` is lab 01's ``online_update``,
+``flashlab.tiled.forward`` lab 02's ``flash_forward``, ...), and chapters need those implementations. A lab
+module declares, per question, the package functions that *are* that question's answer::
+
+    ANSWERS = {"q1": ("flashlab.online.update",), "q2": ("flashlab.online.merge", ...), ...}
+
+(dotted names of module-level functions). Helpers a lab is meant to use (``flashlab.measure.peak_memory``,
+``flashlab.numba_cuda.launch`` in lab 05's kernel question, ...) are simply not listed.
+
+Two defences use that mapping:
+
+* In process (interactive ``check()`` and the grader's in-process runs), :class:`Guard` arms the question's answer
+  functions while the student's code runs (:meth:`flashlab.grading.core.Trial.call`): each function's ``__code__``
+  is swapped for a tripwire that records the call and raises :class:`AnswerCalled`, and is restored on the way out.
+  Every reference to the function object trips, however it was imported (``from flashlab.tiled import forward as
+  f``, a reference kept in a list, a call from another package function). The grader's own work (drawing inputs,
+  computing expected values, diagnosing) runs outside that window, so it keeps the real functions. The question
+  then scores 0 with feedback naming the function, even if the student's code caught the exception.
+  Out of scope in process: code that copied an answer before the check ran (``inspect.getsource`` + ``exec``, a
+  new function built from the saved ``__code__``) — an interactive check cannot stop a student fooling themselves.
+* For sandboxed batch grading, :func:`student_package` writes a copy of the package in which the bodies of the
+  lab's answer functions are replaced by a ``raise AnswerCalled(...)``: there is no answer code left to call or
+  copy. The grader's own judging, outside the sandbox, keeps the real package.
+
+The course's own wrong implementations (chapter 9's hand-written mistakes) may reuse package code: they are graded
+inside :func:`trusted`.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import importlib
+import pathlib
+import shutil
+import threading
+import types
+from typing import Any, Iterator
+
+PACKAGE = "flashlab"
+PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[1]
+
+_LOCK = threading.Lock()
+_ARMED: list["Guard"] = []  # guards whose window is open, innermost last
+_TRUSTED = threading.local()
+
+
+class AnswerCalled(BaseException):
+    """Raised by an armed answer function. A BaseException, so that ``except Exception:`` does not hide it."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(feedback(name))
+        self.name = name
+
+
+def feedback(name: str) -> str:
+    """What the student reads when their code called the course's answer ``name``."""
+    return f"calls {name} — the course's own answer to this question; write it yourself"
+
+
+def answers_of(lab_id: str, question: str | None = None) -> tuple[str, ...]:
+    """Dotted names of the answer functions of one question of ``lab_id`` (of all its questions if None)."""
+    module = importlib.import_module(f"{PACKAGE}.grading.{lab_id}")
+    table: dict[str, tuple[str, ...]] = getattr(module, "ANSWERS", {})
+    if question is not None:
+        return tuple(table.get(question, ()))
+    return tuple(dict.fromkeys(name for names in table.values() for name in names))
+
+
+def resolve(name: str) -> types.FunctionType | None:
+    """The function object of a dotted name; None when its module cannot be imported here (e.g. no CuPy)."""
+    module_name, _, attr = name.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return None
+    fn = getattr(module, attr)
+    if not isinstance(fn, types.FunctionType):
+        raise TypeError(f"{name} is not a plain Python function; ANSWERS lists functions only")
+    return fn
+
+
+@contextlib.contextmanager
+def trusted() -> Iterator[None]:
+    """Grade the course's own code (chapter 9's wrong implementations) with the answer functions left alone.
+
+    Refused while a guard is armed: student code cannot use it to disarm its own check.
+    """
+    if _ARMED:
+        raise AnswerCalled("flashlab.grading.answers.trusted")
+    previous = getattr(_TRUSTED, "on", False)
+    _TRUSTED.on = True
+    try:
+        yield
+    finally:
+        _TRUSTED.on = previous
+
+
+def _tripwire_code(name: str, original: types.CodeType) -> types.CodeType:
+    # The tripwire runs with the answer function's own globals, so it reaches this module through the builtin
+    # __import__ rather than through a name that those globals might not have.
+    source = (f"def {original.co_name}(*args, **kwargs):\n"
+              f"    raise __import__({__name__!r}, fromlist=['_tripped'])._tripped({name!r})\n")
+    namespace: dict[str, Any] = {}
+    exec(compile(source, original.co_filename, "exec"), namespace)  # noqa: S102 - a fixed two-line template
+    return namespace[original.co_name].__code__
+
+
+def _tripped(name: str) -> AnswerCalled:
+    with _LOCK:
+        for guard in _ARMED:
+            if name in guard.names:
+                guard.calls.append(name)
+    return AnswerCalled(name)
+
+
+class Guard:
+    """The answer functions of one question, armed while the student's code runs (a reentrant context manager).
+
+    ``calls`` lists every answer function the student's code reached; :func:`verdict` turns a non-empty list
+    into a score of 0.
+    """
+
+    def __init__(self, lab_id: str, question: str) -> None:
+        self.lab_id = lab_id
+        self.question = question
+        self.names = answers_of(lab_id, question)
+        self.calls: list[str] = []
+        self._depth = 0
+        self._saved: list[tuple[types.FunctionType, types.CodeType]] = []
+
+    def __enter__(self) -> "Guard":
+        if getattr(_TRUSTED, "on", False) or not self.names:
+            return self
+        with _LOCK:
+            self._depth += 1
+            if self._depth == 1:
+                for name in self.names:
+                    fn = resolve(name)
+                    if fn is None:
+                        continue
+                    self._saved.append((fn, fn.__code__))
+                    fn.__code__ = _tripwire_code(name, fn.__code__)
+                _ARMED.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if getattr(_TRUSTED, "on", False) or not self.names:
+            return
+        with _LOCK:
+            self._depth -= 1
+            if self._depth == 0:
+                for fn, code in reversed(self._saved):
+                    fn.__code__ = code
+                self._saved.clear()
+                _ARMED.remove(self)
+
+    def __repr__(self) -> str:
+        return f"Guard({self.lab_id!r}, {self.question!r}, names={list(self.names)})"
+
+
+def verdict(guard: Guard | Any, result: Any) -> Any:
+    """``result`` unchanged, or with score 0 and feedback naming the answer functions the student's code called."""
+    calls = list(dict.fromkeys(getattr(guard, "calls", ())))
+    if not calls:
+        return result
+    return dataclasses.replace(result, score=0.0, feedback="\n".join(feedback(name) for name in calls))
+
+
+# ------------------------------------------------------------------------------------ the student's package copy
+def _stub(name: str, indent: str) -> list[str]:
+    return [f"{indent}from flashlab.grading.answers import AnswerCalled\n",
+            f"{indent}raise AnswerCalled({name!r})  # the course's answer is not part of this copy\n"]
+
+
+def _strip_functions(source: str, targets: dict[str, str], where: str) -> str:
+    """``source`` with the bodies (docstrings included) of the module-level functions in ``targets`` replaced."""
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    found = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in targets:
+            found[node.name] = node
+    missing = set(targets) - set(found)
+    if missing:
+        raise LookupError(f"{where} defines no module-level function {', '.join(sorted(missing))}")
+    for node in sorted(found.values(), key=lambda n: n.lineno, reverse=True):
+        first = node.body[0]
+        if first.lineno == node.lineno:  # "def f(x): return x" on one line: rewrite the whole definition
+            node.body = ast.parse("".join(_stub(targets[node.name], ""))).body
+            text = ast.unparse(node)
+            lines[node.lineno - 1: node.end_lineno] = [" " * node.col_offset + s + "\n" for s in text.splitlines()]
+            continue
+        indent = " " * first.col_offset
+        lines[first.lineno - 1: node.end_lineno] = _stub(targets[node.name], indent)
+    return "".join(lines)
+
+
+def student_package(dest: pathlib.Path | str, lab_id: str) -> pathlib.Path:
+    """Write ``dest/flashlab``: the package with the bodies of ``lab_id``'s answer functions replaced by a raise.
+
+    Returns the written package folder. A sandboxed run that exposes this copy (and hides the checkout) has no
+    answer code to call, import or read with ``inspect.getsource``; everything else works as in the real package.
+    """
+    dest = pathlib.Path(dest)
+    out = dest / PACKAGE
+    if out.exists():
+        raise FileExistsError(f"{out} exists; student_package writes a fresh copy")
+    shutil.copytree(PACKAGE_DIR, out, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    by_module: dict[str, dict[str, str]] = {}
+    for name in answers_of(lab_id):
+        module_name, _, attr = name.rpartition(".")
+        by_module.setdefault(module_name, {})[attr] = name
+    for module_name, targets in by_module.items():
+        parts = module_name.split(".")
+        if parts[0] != PACKAGE:
+            raise ValueError(f"{lab_id}'s ANSWERS names {module_name}, outside the {PACKAGE} package")
+        path = out.joinpath(*parts[1:])
+        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        path.write_text(_strip_functions(path.read_text(), targets, str(path.relative_to(dest))))
+    return out
