@@ -37,7 +37,7 @@ import numpy as np
 
 from .grading import answers
 from .grading.core import Mutant, Result, allclose, as_outputs, available_labs, fmt, get_lab, run_question
-from .grading.known import ROOT, Demo, HandWritten, KnownMistakes, solution_object
+from .grading.known import ROOT, Demo, HandWritten, KnownMistakes, SolutionsMissing, solution_object
 
 #: The seed every grading in the chapter uses, so that its messages are the same on every run.
 SEED = 0
@@ -477,9 +477,26 @@ def source_diff(mistake: Mistake) -> str | None:
 
 def report(mistake: Mistake, seed: int = SEED, width: int = 240) -> str:
     """The chapter's view of one mistake: what it is, its demo, and the grader's message when it is submitted
-    (lines longer than ``width`` cut short)."""
+    (lines longer than ``width`` cut short).
+
+    Without the solved labs (a student release) a mistake that needs them (the solution's other objects beside
+    it, or an edit of the solution) is described, not run.
+    """
+    try:
+        return _report(mistake, seed, width)
+    except SolutionsMissing as e:
+        head = _head(mistake)
+        return (f"{head}\n{'=' * min(len(head), 110)}\nNot run here: {e}.\nThe grader's words for this mistake:\n"
+                + mistake.message)
+
+
+def _head(mistake: Mistake) -> str:
     objects = get_lab(mistake.lab_id).questions[mistake.question].objects
-    head = f"{mistake.lab_id} {mistake.question} ({', '.join(objects)}): {mistake.title}"
+    return f"{mistake.lab_id} {mistake.question} ({', '.join(objects)}): {mistake.title}"
+
+
+def _report(mistake: Mistake, seed: int, width: int) -> str:
+    head = _head(mistake)
     if mistake.variant:
         head += f"\n  written as: {mistake.variant}"
     parts = [head, "=" * min(len(head.splitlines()[0]), 110)]

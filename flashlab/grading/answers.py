@@ -71,16 +71,28 @@ def answers_of(lab_id: str, question: str | None = None) -> tuple[str, ...]:
 
 
 def resolve(name: str) -> types.FunctionType | None:
-    """The function object of a dotted name; None when its module cannot be imported here (e.g. no CuPy)."""
+    """The Python function behind a dotted name (under a cache decorator, the cached function itself).
+
+    None when its module cannot be imported here (e.g. a GPU module without CuPy): nothing can call it then.
+    """
     module_name, _, attr = name.rpartition(".")
     try:
         module = importlib.import_module(module_name)
     except ImportError:
         return None
     fn = getattr(module, attr)
-    if not isinstance(fn, types.FunctionType):
-        raise TypeError(f"{name} is not a plain Python function; ANSWERS lists functions only")
+    fn = getattr(fn, "__wrapped__", fn)
+    if not isinstance(fn, types.FunctionType) or fn.__closure__:
+        raise TypeError(f"{name} is not a module-level Python function; ANSWERS lists those only")
     return fn
+
+
+def _clear_cache(name: str) -> None:
+    # A cached answer (functools.lru_cache) could hand back a result computed before the guard was armed.
+    module_name, _, attr = name.rpartition(".")
+    clear = getattr(getattr(importlib.import_module(module_name), attr), "cache_clear", None)
+    if clear is not None:
+        clear()
 
 
 @contextlib.contextmanager
@@ -90,7 +102,7 @@ def trusted() -> Iterator[None]:
     Refused while a guard is armed: student code cannot use it to disarm its own check.
     """
     if _ARMED:
-        raise AnswerCalled("flashlab.grading.answers.trusted")
+        raise _tripped(f"{__name__}.trusted")
     previous = getattr(_TRUSTED, "on", False)
     _TRUSTED.on = True
     try:
@@ -112,7 +124,7 @@ def _tripwire_code(name: str, original: types.CodeType) -> types.CodeType:
 def _tripped(name: str) -> AnswerCalled:
     with _LOCK:
         for guard in _ARMED:
-            if name in guard.names:
+            if name in guard.names or name == f"{__name__}.trusted":
                 guard.calls.append(name)
     return AnswerCalled(name)
 
@@ -142,6 +154,7 @@ class Guard:
                     fn = resolve(name)
                     if fn is None:
                         continue
+                    _clear_cache(name)
                     self._saved.append((fn, fn.__code__))
                     fn.__code__ = _tripwire_code(name, fn.__code__)
                 _ARMED.append(self)
