@@ -33,12 +33,13 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import functools
 import importlib
 import pathlib
 import shutil
 import threading
 import types
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 PACKAGE = "flashlab"
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[1]
@@ -111,6 +112,48 @@ def trusted() -> Iterator[None]:
         _TRUSTED.on = previous
 
 
+@functools.lru_cache(maxsize=None)
+def _module_code(lab_id: str) -> frozenset[types.CodeType]:
+    """Every code object defined in ``flashlab.grading.<lab_id>``: its functions, their nested functions and
+    lambdas, and the functions held in its module-level lists (mutants)."""
+    module = importlib.import_module(f"{PACKAGE}.grading.{lab_id}")
+    codes: set[types.CodeType] = set()
+
+    def add_code(code: types.CodeType) -> None:
+        if code not in codes:
+            codes.add(code)
+            for const in code.co_consts:
+                if isinstance(const, types.CodeType):
+                    add_code(const)
+
+    def add(value: Any, depth: int = 0) -> None:
+        if isinstance(value, types.FunctionType) and value.__module__ == module.__name__:
+            add_code(value.__code__)
+        elif isinstance(value, (list, tuple)) and depth < 2:
+            for item in value:
+                add(item, depth + 1)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type) and depth < 2:
+            for f in dataclasses.fields(value):
+                add(getattr(value, f.name), depth + 1)
+
+    for value in vars(module).values():
+        add(value)
+    return frozenset(codes)
+
+
+def is_course_code(obj: Any, lab_id: str) -> bool:
+    """Whether ``obj`` is a function the lab's grading module itself defines (by its code object, not its name).
+
+    Tests and chapter 9 submit these (mutants, a switchable right implementation): they are graded like a
+    student's, without the tripwire. A student's own function, even one that calls them, is not course code.
+    """
+    code = getattr(obj, "__code__", None)
+    if not isinstance(code, types.CodeType) or code not in _module_code(lab_id):
+        return False
+    # ... unless it is one of the lab's answers itself (``flash_backward = lab04._mutant_backward``)
+    return all(fn is None or fn.__code__ is not code for fn in map(resolve, answers_of(lab_id)))
+
+
 def _tripwire_code(name: str, original: types.CodeType) -> types.CodeType:
     # The tripwire runs with the answer function's own globals, so it reaches this module through the builtin
     # __import__ rather than through a name that those globals might not have.
@@ -136,10 +179,12 @@ class Guard:
     into a score of 0.
     """
 
-    def __init__(self, lab_id: str, question: str) -> None:
+    def __init__(self, lab_id: str, question: str, objects: Sequence[Any] = ()) -> None:
         self.lab_id = lab_id
         self.question = question
-        self.names = answers_of(lab_id, question)
+        # The course's own implementations (the lab module's mistakes, right or wrong) are not a student's code.
+        course = bool(objects) and all(is_course_code(obj, lab_id) for obj in objects)
+        self.names = () if course else answers_of(lab_id, question)
         self.calls: list[str] = []
         self._depth = 0
         self._saved: list[tuple[types.FunctionType, types.CodeType]] = []

@@ -481,7 +481,7 @@ def run_question(
     missing = [n for n, o in zip(question.objects, objects, strict=False) if o is None]
     if missing:
         return Result(name, 0.0, question.points, f"not defined yet: {', '.join(missing)}", seed)
-    trial = Trial(seed, answers.Guard(lab_id, name))
+    trial = Trial(seed, answers.Guard(lab_id, name, objects))
     try:
         with np.errstate(all="ignore"), _time_limit(time_limit):
             out = question.run(trial, *objects)
