@@ -13,11 +13,11 @@ import contextlib
 import importlib
 import inspect
 import io
-import textwrap
 import json
 import os
 import subprocess
 import sys
+import textwrap
 import types
 
 import numpy as np

@@ -24,8 +24,13 @@ Two defences use that mapping:
   lab's answer functions are replaced by a ``raise AnswerCalled(...)``: there is no answer code left to call or
   copy. The grader's own judging, outside the sandbox, keeps the real package.
 
-The course's own wrong implementations (chapter 9's hand-written mistakes) may reuse package code: they are graded
-inside :func:`trusted`.
+The course's own implementations may reuse package code: the lab module's mutants and helpers, handed in as they
+are (tests do), are graded without the tripwire (:func:`is_course_code`; a listed answer handed in is still caught),
+and chapter 9 grades its hand-written mistakes inside :func:`trusted`. Not caught in process: handing in one of the
+grading module's own unlisted right implementations as it is (the student copy of the package is the defence there).
+
+Lab 06 lists nothing: its answer is a CUDA C string, built before any check runs. A sandboxed run that reaches a
+stub sees :class:`AnswerCalled`, whose message is the feedback: the judge outside should give that question 0.
 """
 
 from __future__ import annotations
@@ -154,6 +159,7 @@ def is_course_code(obj: Any, lab_id: str) -> bool:
     return all(fn is None or fn.__code__ is not code for fn in map(resolve, answers_of(lab_id)))
 
 
+@functools.lru_cache(maxsize=None)
 def _tripwire_code(name: str, original: types.CodeType) -> types.CodeType:
     # The tripwire runs with the answer function's own globals, so it reaches this module through the builtin
     # __import__ rather than through a name that those globals might not have.

@@ -23,9 +23,9 @@ LAB = Lab("lab04", "The backward pass with recomputation")
 
 # The course's own answers to each question (flashlab.grading.answers): calling one scores 0. The tiled backward
 # also counts its FLOPs (stats=), so it answers q2 too.
-_BACKWARDS = ("flashlab.backward.backward", "flashlab.backward.backward_from_p", "flashlab.reference.attention_backward",
-              "flashlab.gpu.backward.numpy_backward", "flashlab.grading.lab04._mutant_backward",
-              "flashlab.grading.lab04._truth")
+_BACKWARDS = ("flashlab.backward.backward", "flashlab.backward.backward_from_p",
+              "flashlab.reference.attention_backward", "flashlab.gpu.backward.numpy_backward",
+              "flashlab.grading.lab04._mutant_backward", "flashlab.grading.lab04._truth")
 ANSWERS = {
     "q1": _BACKWARDS,
     "q2": ("flashlab.backward.backward", "flashlab.grading.lab04._flops"),
