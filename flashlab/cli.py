@@ -11,7 +11,8 @@ import sys
 # `python -m flashlab grade` works without CuPy and `bench` without Jupyter.
 COMMANDS = {
     "grade": ("flashlab.grading.batch", "grade lab submissions: grade PATH... [--json] [--csv FILE]"),
-    "release": ("flashlab.grading.release", "regenerate labs/ from solutions/"),
+    "release": ("flashlab.grading.release", "regenerate labs/ from solutions/; release --student DIR: what a class "
+                "gets"),
     "html": ("flashlab.site", "execute every chapter and write a static HTML course into build/"),
     "slides": ("flashlab.slides", "build offline reveal.js slides from the cells tagged 'slide' into build/slides"),
     "bench": ("flashlab.bench", "time a result and record it in data/: bench forward|backward|decode|memory|train|"

@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .grading import answers
 from .grading.core import (
     Mutant,
     Result,
@@ -46,7 +47,7 @@ from .grading.core import (
     mistake_title,
     run_question,
 )
-from .grading.known import ROOT, Demo, HandWritten, KnownMistakes, solution_object
+from .grading.known import ROOT, Demo, HandWritten, KnownMistakes, SolutionsMissing, solution_object
 
 #: The seed every grading in the chapter uses, so that its messages are the same on every run.
 SEED = 0
@@ -314,8 +315,10 @@ def needs_gpu(lab_id: str) -> bool:
     module = lab_module(lab_id)
     if hasattr(module, "NEEDS_GPU"):
         return bool(module.NEEDS_GPU)
-    return bool(re.search(r"\bcupy\b|flashlab\.gpu\b|from \.\.gpu\b|from \.\. import gpu\b",
-                          inspect.getsource(module)))
+    source = inspect.getsource(module)
+    for name in answers.answers_of(lab_id):  # the answers it lists are names, not code that runs
+        source = source.replace(f'"{name}"', "")
+    return bool(re.search(r"\bcupy\b|flashlab\.gpu\b|from \.\.gpu\b|from \.\. import gpu\b", source))
 
 
 def needs_simulator(lab_id: str) -> bool:
@@ -355,8 +358,13 @@ def _submission(mistake: Mistake) -> list:
 
 
 def grade(mistake: Mistake, seed: int = SEED) -> Result:
-    """Grade the mistake as a student's submission: the wrong object in its place, the solution's elsewhere."""
-    return run_question(mistake.lab_id, mistake.question, _submission(mistake), seed=seed)
+    """Grade the mistake as a student's submission: the wrong object in its place, the solution's elsewhere.
+
+    The course's wrong implementations may reuse the package's own answers (a forward that skips the last query
+    tile by calling ``flashlab.tiled.forward``): they are graded with those answers left alone.
+    """
+    with answers.trusted():
+        return run_question(mistake.lab_id, mistake.question, _submission(mistake), seed=seed)
 
 
 def grader_message(mistake: Mistake, seed: int = SEED) -> str:
@@ -480,9 +488,26 @@ def source_diff(mistake: Mistake) -> str | None:
 
 def report(mistake: Mistake, seed: int = SEED, width: int = 240) -> str:
     """The chapter's view of one mistake: what it is, its demo, and the grader's message when it is submitted
-    (lines longer than ``width`` cut short)."""
+    (lines longer than ``width`` cut short).
+
+    Without the solved labs (a student release) a mistake that needs them (the solution's other objects beside
+    it, or an edit of the solution) is described, not run.
+    """
+    try:
+        return _report(mistake, seed, width)
+    except SolutionsMissing as e:
+        head = _head(mistake)
+        return (f"{head}\n{'=' * min(len(head), 110)}\nNot run here: {e}.\nThe grader's words for this mistake:\n"
+                + mistake.message)
+
+
+def _head(mistake: Mistake) -> str:
     objects = get_lab(mistake.lab_id).questions[mistake.question].objects
-    head = f"{mistake.lab_id} {mistake.question} ({', '.join(objects)}): {mistake.title}"
+    return f"{mistake.lab_id} {mistake.question} ({', '.join(objects)}): {mistake.title}"
+
+
+def _report(mistake: Mistake, seed: int, width: int) -> str:
+    head = _head(mistake)
     if mistake.variant:
         head += f"\n  written as: {mistake.variant}"
     parts = [head, "=" * min(len(head.splitlines()[0]), 110)]

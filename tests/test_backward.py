@@ -195,7 +195,7 @@ def test_a_pass_at_a_loose_tolerance_does_not_contradict_a_mutant():
 
 
 def test_lab04_memory_part_fails_an_answer_that_stores_p():
-    from flashlab.grading import run_question
+    from flashlab.grading import answers, run_question
 
     def stores_p(Q, K, V, O, L, dO, block_q, block_k):
         return reference.attention_backward(Q, K, V, dO)
@@ -203,9 +203,11 @@ def test_lab04_memory_part_fails_an_answer_that_stores_p():
     def tiled_answer(Q, K, V, O, L, dO, block_q, block_k):
         return backward.backward(Q, K, V, O, L, dO, block_q=block_q, block_k=block_k)
 
-    result = run_question("lab04", "q1", [stores_p])
-    assert result.score == 5 and "[FAIL] memory" in result.feedback
-    assert run_question("lab04", "q1", [tiled_answer]).score == 6
+    with answers.trusted():  # the package's own implementations, graded as reference submissions
+        result = run_question("lab04", "q1", [stores_p])
+        assert result.score == 5 and "[FAIL] memory" in result.feedback
+        assert run_question("lab04", "q1", [tiled_answer]).score == 6
+    assert run_question("lab04", "q1", [tiled_answer]).score == 0  # handed in by a student: the course's answer
 
 
 def test_chapter_4_teaching_version_agrees_with_the_package(rng):

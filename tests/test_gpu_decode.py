@@ -307,10 +307,13 @@ def test_lab08_mutants_lose_points_and_are_named(question, mutants):
         assert mutant.message[:60] in result.feedback, (mutant.message, result.feedback)
 
 
-def test_lab08_package_merge_scores_full_marks():
-    from flashlab.grading import run_question
+def test_lab08_package_merge_is_right_but_not_a_student_s_answer():
+    from flashlab.grading import answers, run_question
 
     def merge(o_parts, lse_parts):
         return decoding.merge_partials(o_parts, lse_parts)
 
-    assert run_question("lab08", "q1", [merge]).score == 4
+    with answers.trusted():
+        assert run_question("lab08", "q1", [merge]).score == 4
+    result = run_question("lab08", "q1", [merge])
+    assert result.score == 0 and "calls flashlab.gpu.decoding.merge_partials" in result.feedback

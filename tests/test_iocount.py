@@ -178,6 +178,15 @@ def test_backward_counted_equals_predicted(rng, algorithm):
     assert tried > 20
 
 
+@pytest.fixture
+def package_answers_allowed():
+    """The package's counter stands in for a student's formulas: graded as the course's own code."""
+    from flashlab.grading import answers
+
+    with answers.trusted():
+        yield
+
+
 def _lab03_answers():
     from flashlab.grading import lab03
 
@@ -193,6 +202,7 @@ def _lab03_answers():
     }
 
 
+@pytest.mark.usefixtures("package_answers_allowed")
 def test_lab03_diagnoses_each_known_mistake():
     from flashlab.grading import get_lab, lab03, run_question
 
@@ -208,6 +218,7 @@ def test_lab03_diagnoses_each_known_mistake():
             assert mutant.message in result.feedback, (question, mutant.message, result.feedback)
 
 
+@pytest.mark.usefixtures("package_answers_allowed")
 def test_lab03_parts_are_graded_separately():
     from flashlab.grading import run_question
 
@@ -220,6 +231,7 @@ def test_lab03_parts_are_graded_separately():
     assert result.score == 2 and result.feedback.count("not implemented yet") == 2
 
 
+@pytest.mark.usefixtures("package_answers_allowed")
 def test_lab03_block_choice_is_graded_by_traffic():
     from flashlab.grading import lab03, run_question
 

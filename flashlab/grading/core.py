@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from ..measure import peak_memory
+from . import answers
 
 #: Environment variable set by the batch grader: check cells then skip their tests (the grader runs them itself).
 BATCH_ENV = "FLASHLAB_BATCH_GRADING"
@@ -241,8 +242,10 @@ class Trial:
     a part scores all of its points or none. The question's score is the sum over parts.
     """
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, guard: Any = None) -> None:
         self.seed = int(seed)
+        # Arms the course's own answers to the question while the student's code runs (see grading.answers).
+        self.guard = guard if guard is not None else contextlib.nullcontext()
         self.rng = np.random.default_rng(self.seed)
         # (label, points earned, points, message); a message may be a callable, evaluated in result(), so that a
         # diagnosis can use the inputs that later parts of the same question got right.
@@ -256,7 +259,8 @@ class Trial:
     def call(self, fn: Callable, *args, **kwargs):
         """Call student code; NotImplementedError anywhere means the whole question is "not implemented yet"."""
         try:
-            return fn(*args, **kwargs)
+            with self.guard:
+                return fn(*args, **kwargs)
         except NotImplementedError as e:
             raise NotImplementedYet(str(e)) from e
 
@@ -488,21 +492,27 @@ def run_question(
     missing = [n for n, o in zip(question.objects, objects, strict=False) if o is None]
     if missing:
         return Result(name, 0.0, question.points, f"not defined yet: {', '.join(missing)}", seed)
-    trial = Trial(seed)
+    trial = Trial(seed, answers.Guard(lab_id, name, objects))
     try:
         with np.errstate(all="ignore"), _time_limit(time_limit):
             out = question.run(trial, *objects)
             if out is not None:  # a question may compute its own (points, feedback)
                 points, feedback = out
-                return Result(name, round(float(points), 3), question.points, str(feedback), seed)
-            return trial.result(name, question.points)  # diagnoses run here: mutants may divide by zero too
+                result = Result(name, round(float(points), 3), question.points, str(feedback), seed)
+            else:
+                result = trial.result(name, question.points)  # diagnoses run here: mutants may divide by zero too
+    except answers.AnswerCalled:  # the verdict below names the function
+        result = Result(name, 0.0, question.points, "", seed)
     except NotImplementedYet:
         msg = "not implemented yet (your function still raises NotImplementedError)"
-        return Result(name, 0.0, question.points, msg, seed)
+        result = Result(name, 0.0, question.points, msg, seed)
     except QuestionTimeout:
-        return Result(name, 0.0, question.points, f"took longer than {time_limit:g} s: is there an endless loop?", seed)
+        msg = f"took longer than {time_limit:g} s: is there an endless loop?"
+        result = Result(name, 0.0, question.points, msg, seed)
     except Exception as e:  # a bug the tests did not anticipate: report, never crash the notebook
-        return Result(name, 0.0, question.points, f"the check could not run your code: {_describe_error(e)}", seed)
+        result = Result(name, 0.0, question.points, f"the check could not run your code: {_describe_error(e)}", seed)
+    # Even when the student's code caught the tripwire's exception, reaching the course's answer scores 0.
+    return answers.verdict(trial.guard, result)
 
 
 def grade_namespace(

@@ -15,7 +15,8 @@ module-level object, ``KNOWN_MISTAKES = KnownMistakes(...)`` (every field option
 * ``submission`` and ``sources`` — for mutants that are not Python functions (lab 06's CUDA loop bodies).
 
 This module also reads the solved labs (``solutions/labNN_*.ipynb``): chapter 9 submits a mistake with the
-solution's other objects beside it.
+solution's other objects beside it. A student release has no ``solutions/``: what needs them raises
+:class:`SolutionsMissing`, which says so (chapter 9 then shows those mistakes without running them).
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+class SolutionsMissing(FileNotFoundError):
+    """The solved labs (``solutions/``) are not here: a student release leaves them out."""
 
 
 def call_with(fn: Callable, args: tuple) -> Any:
@@ -114,6 +119,9 @@ def demo_qkv(n: int, m: int, d: int, dv: int, seed: int, *, batch: int | None = 
 # ------------------------------------------------------------------------------------------ the solution labs
 def solution_path(lab_id: str) -> pathlib.Path:
     """``solutions/<lab_id>_*.ipynb``, the solved lab."""
+    if not (ROOT / "solutions").is_dir():
+        raise SolutionsMissing(f"{lab_id}'s solved lab is needed here, and this copy of the course has no solutions/ "
+                               "(a student release leaves them out): run this in the instructor's copy")
     paths = sorted((ROOT / "solutions").glob(f"{lab_id}_*.ipynb"))
     if not paths:
         raise FileNotFoundError(f"no solutions/{lab_id}_*.ipynb next to the flashlab package ({ROOT})")

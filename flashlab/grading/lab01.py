@@ -10,6 +10,16 @@ from .known import Demo, KnownMistakes
 
 LAB = Lab("lab01", "Online softmax")
 
+# The course's own answers to each question (flashlab.grading.answers): calling one scores 0. The reference and
+# tiled forward compute one row's softmax average too (Q = [[1]], K = the scores as a column). q2 cannot list
+# online.update: the grader's own adapter builds the two states with it while the student's merge runs.
+ANSWERS = {
+    "q1": ("flashlab.online.update",),
+    "q2": ("flashlab.online.merge", "flashlab.gpu.decoding.merge_partials"),
+    "q3": ("flashlab.online.attend", "flashlab.online.update", "flashlab.reference.attention", "flashlab.tiled.forward",
+           "flashlab.numba_cpu.tiled_forward", "flashlab.cpu_bench.naive_attention"),
+}
+
 LN3 = float(np.log(3.0))
 
 

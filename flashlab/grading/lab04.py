@@ -21,6 +21,16 @@ from .known import Demo, HandWritten, KnownMistakes, OtherDiagnosis, demo_qkv
 
 LAB = Lab("lab04", "The backward pass with recomputation")
 
+# The course's own answers to each question (flashlab.grading.answers): calling one scores 0. The tiled backward
+# also counts its FLOPs (stats=), so it answers q2 too.
+_BACKWARDS = ("flashlab.backward.backward", "flashlab.backward.backward_from_p",
+              "flashlab.reference.attention_backward", "flashlab.gpu.backward.numpy_backward",
+              "flashlab.grading.lab04._mutant_backward", "flashlab.grading.lab04._truth")
+ANSWERS = {
+    "q1": _BACKWARDS,
+    "q2": ("flashlab.backward.backward", "flashlab.grading.lab04._flops"),
+}
+
 
 def _mutant_backward(Q, K, V, O, L, dO, block_q, block_k, *, use_d=True, d_from_tile=False, grad_scale=1,
                      scale_scores=True, transpose_dk=False, transpose_dv=False, p_from="L"):

@@ -29,6 +29,15 @@ from .known import Demo, HandWritten, KnownMistakes, OtherDiagnosis, demo_qkv, s
 
 LAB = Lab("lab05", "A FlashAttention kernel in numba.cuda")
 
+# The course's own answers to each question (flashlab.grading.answers): calling one scores 0. q1's check launches the
+# kernel with flashlab.numba_cuda.launch, so launch stays usable there; q2's builds the course's kernel with
+# make_cuda_kernel, so that stays usable in q2. Computing the answer on the CPU answers either.
+_CPU = ("flashlab.reference.attention", "flashlab.tiled.forward", "flashlab.numba_cpu.tiled_forward")
+ANSWERS = {
+    "q1": ("flashlab.numba_cuda.make_cuda_kernel", "flashlab.numba_cuda.cuda_forward", *_CPU),
+    "q2": ("flashlab.numba_cuda.launch", "flashlab.numba_cuda.cuda_forward", *_CPU),
+}
+
 _NEEDS_SIMULATOR = (
     "this lab runs kernels in the CUDA simulator: restart the kernel and run the first cells in order "
     "(use_simulator() must run before numba.cuda is imported)"

@@ -47,6 +47,10 @@ from .known import Demo, KnownMistakes
 
 LAB = Lab("lab06", "The online-softmax update in a CUDA kernel")
 
+# The course's own answers to each question (flashlab.grading.answers). None: the answer is a CUDA C string, built
+# before any check runs, so no package function is called while it is graded.
+ANSWERS: dict[str, tuple[str, ...]] = {}
+
 HEAD_DIMS = (16, 32, 64)
 THREADS = 128  # threads per block: one query row each
 TOLERANCE = 1e-5  # fp32 rule of CONTRIBUTING.md, Correctness; relative in the 2-norm

@@ -25,6 +25,16 @@ from .known import Demo, KnownMistakes
 
 LAB = Lab("lab08", "Split-KV decoding: partials and their merge")
 
+# The course's own answers to each question (flashlab.grading.answers): calling one scores 0. A split's partial is
+# the reference attention of its keys, so the reference and the tiled forward answer q2.
+ANSWERS = {
+    "q1": ("flashlab.gpu.decoding.merge_partials", "flashlab.online.merge", "flashlab.grading.lab08._merge"),
+    "q2": ("flashlab.reference.attention", "flashlab.tiled.forward", "flashlab.numba_cpu.tiled_forward",
+           "flashlab.gpu.decoding.split_ranges", "flashlab.gpu.decoding.decode_numpy",
+           "flashlab.grading.lab08._split_truth", "flashlab.grading.lab08._ranges"),
+    "q3": ("flashlab.grading.lab08._bytes",),
+}
+
 
 # ------------------------------------------------------------------------------------------- truth and helpers
 def _merge(o_parts, lse_parts):

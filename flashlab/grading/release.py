@@ -7,6 +7,12 @@ the same in memory, so a test can prove that the committed ``labs/`` equals the 
 
 Options: ``--solutions DIR`` and ``--labs DIR`` (default: the repository's), ``--check`` (write nothing; exit 1
 and name the files that differ).
+
+``--student DIR`` writes what a class gets instead (:func:`release_student`): the chapters (``notebooks/``), the
+labs released from ``solutions/``, the whole package (the chapters use it), ``data/`` (the chapters read it), the
+README, the requirements, ``environment.yml``, the Makefile and ``pyproject.toml`` — and no ``solutions/``, no
+tests (they read the solutions), no ``.git``. Chapter 9 runs there too; the mistakes that need the solved labs
+are described instead of run.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import pathlib
+import shutil
 import sys
 
 import nbformat
@@ -22,6 +29,10 @@ BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
 STUB = ("# YOUR CODE HERE", 'raise NotImplementedError("write your solution here")')
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+#: What a student release holds besides ``labs/``: folders, then files (``requirements*.txt`` are added by glob).
+STUDENT_DIRS = ("notebooks", "flashlab", "data")
+STUDENT_FILES = ("README.md", "environment.yml", "Makefile", "pyproject.toml")
+_JUNK = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints", "*.egg-info", ".pytest_cache")
 
 
 def strip_solutions(source: str, where: str = "cell") -> str:
@@ -74,12 +85,52 @@ def compute_release(solutions: pathlib.Path | str = ROOT / "solutions") -> dict[
     return {p.name: release_text(p) for p in sorted(pathlib.Path(solutions).glob("lab*.ipynb"))}
 
 
+def release_student(dest: pathlib.Path | str, root: pathlib.Path | str = ROOT) -> list[str]:
+    """Write the student release of the course at ``root`` into ``dest`` (new or empty); return what it wrote.
+
+    The labs are released afresh from ``root/solutions`` (so a stale ``labs/`` cannot leak a solution); every
+    released notebook is checked for solution markers before the call returns.
+    """
+    root, dest = pathlib.Path(root).resolve(), pathlib.Path(dest).resolve()
+    sources = [root / d for d in STUDENT_DIRS] + [root / "solutions", root / "labs"]
+    if any(dest == s or s in dest.parents for s in sources):
+        raise ValueError(f"{dest} lies inside {root}'s course folders: choose a folder outside them")
+    if dest.exists() and any(dest.iterdir()):
+        raise FileExistsError(f"{dest} is not empty: the student release goes into a new or empty folder")
+    missing = [name for name in (*STUDENT_DIRS, *STUDENT_FILES) if not (root / name).exists()]
+    if missing or not (root / "solutions").is_dir():
+        raise FileNotFoundError(f"{root} is not the instructor's copy of the course: missing "
+                                f"{', '.join(missing + ([] if (root / 'solutions').is_dir() else ['solutions']))}")
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in STUDENT_DIRS:
+        shutil.copytree(root / name, dest / name, ignore=_JUNK)
+    for path in [*(root / n for n in STUDENT_FILES), *sorted(root.glob("requirements*.txt"))]:
+        shutil.copy2(path, dest / path.name)
+    (dest / "labs").mkdir()
+    for name, text in compute_release(root / "solutions").items():
+        (dest / "labs" / name).write_text(text)
+    leaks = [str(p.relative_to(dest)) for p in dest.rglob("*.ipynb") if BEGIN in p.read_text()]
+    if leaks:
+        raise ValueError(f"solution markers in the student release: {', '.join(leaks)}")
+    return sorted(p.name for p in dest.iterdir())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashlab release", description="regenerate labs/ from solutions/")
     parser.add_argument("--solutions", type=pathlib.Path, default=ROOT / "solutions")
     parser.add_argument("--labs", type=pathlib.Path, default=ROOT / "labs")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if labs/ is out of date")
+    parser.add_argument("--student", type=pathlib.Path, metavar="DIR",
+                        help="write what a class gets (chapters, labs, package, data; no solutions) into DIR")
     args = parser.parse_args(argv)
+    if args.student is not None:
+        try:
+            wrote = release_student(args.student, args.solutions.resolve().parent)
+        except (ValueError, OSError, nbformat.ValidationError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"student release in {args.student}: {', '.join(wrote)} (no solutions/)")
+        return 0
     if not args.solutions.is_dir():
         print(f"error: solutions directory {args.solutions} does not exist", file=sys.stderr)
         return 2
