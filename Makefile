@@ -118,7 +118,7 @@ sanitize: setup
 	compute-sanitizer --tool racecheck --error-exitcode 1 $(BIN)/python -m flashlab selfcheck
 
 lint: dev
-	$(BIN)/ruff check flashlab tests
+	$(BIN)/ruff check flashlab tests tools
 
 clean:
 	rm -rf $(VENV) build
