@@ -1,18 +1,32 @@
-"""``python -m flashlab grade PATH... [--json] [--csv FILE] [--timeout S] [--jobs N] [--lab ID] [--feedback]``.
+"""``python -m flashlab grade PATH... [--json] [--csv FILE] [--timeout S] [--jobs N] [--lab ID] [--feedback]
+[--seed N] [--no-sandbox]``.
 
 Grades lab submissions (notebooks, or directories searched for ``*.ipynb``). For each submission:
 
 1. its bytes are read once and copied into a fresh temporary directory; the original is never opened for
-   writing, and the copy is what runs (a submission that deletes files only deletes its own sandbox);
-2. a worker subprocess, in its own process group, executes the copy top to bottom in a fresh Jupyter kernel
-   (nbclient, kernel "python3") with that directory as cwd. Errors in the student's cells do not stop the run; a
-   cell that runs too long is interrupted; printed output kept per cell is capped;
-3. then the worker appends one cell of its own that runs every question of the lab
-   (:func:`flashlab.grading.core.grade_namespace`) on the objects the notebook defined, and writes the result to
-   a file outside the sandbox. The student's own ``check(...)`` calls are skipped during batch grading and their
-   printed output is never trusted;
-4. at ``--timeout`` seconds the worker's and the kernel's process groups are killed, and the submission gets an
-   error row with 0 points; the other submissions are unaffected.
+   writing, and the copy is what runs;
+2. a worker runs in a sandbox (:mod:`flashlab.grading.sandbox`: bubblewrap; read-only filesystem except that
+   directory, no network, its own process namespace, limits; the repository checkout, with ``solutions/``, and
+   every submission's folder are hidden, only the ``flashlab`` package is shown). The worker and the Jupyter
+   kernel it starts both run inside: it executes the copy top to bottom (nbclient, kernel "python3"). Errors in
+   the student's cells do not stop the run; a cell that runs too long is interrupted; printed output kept per
+   cell is capped;
+3. then every question of the lab runs on the objects the notebook defined, each with a seed derived from the
+   submission's seed (:func:`question_seed`), and the result is read back as untrusted data (a regular file,
+   size-capped, validated against the lab's questions). The student's own ``check(...)`` calls are skipped
+   during batch grading and their printed output is never trusted;
+4. at ``--timeout`` seconds the sandbox is killed, every process in it with it (through the handle of the
+   process the grader started, never a process id read from a file), and the submission gets an error row with
+   0 points; the other submissions are unaffected.
+
+Without a usable bubblewrap, grading refuses (saying why and how to install it) unless ``--no-sandbox``: then
+the worker runs with the same limits and no isolation, and every row says ``"sandboxed": false``.
+
+Reproducible: ``--seed N`` grades every submission with seed N, else one fresh seed is drawn for the run; each
+row records it, grading again with it gives the same scores, and the feedback of a question not at full marks
+ends with the line that replays it in the student's notebook (``check("q2", ..., seed=...)``). When the
+notebook's cells raised, each such feedback starts with the notebook's first error (cell number, exception),
+which is usually the cause of what follows.
 
 The lab is found from the notebook's metadata ``{"flashlab": {"lab": "lab01"}}``, else from its
 ``lab("lab01")`` line, else from a ``labNN`` file-name prefix (``--lab`` overrides). A missing or unknown lab,
@@ -20,14 +34,12 @@ or an unreadable notebook, gives an error row, not a crash.
 
 Output: a readable table (``--feedback`` adds each question's feedback), or with ``--json`` one object per
 submission per line: ``{"path", "lab", "score", "max_score", "questions": [{"name", "score", "max_score",
-"feedback"}], "error"}``. ``--csv FILE`` writes one row per submission (student = file stem), one column per
-question, and the total. A summary (mean per question) ends the run.
+"feedback"}], "error", "notebook_error", "seed", "sandboxed"}``. ``--csv FILE`` writes one row per submission
+(student = file stem), one column per question, and the total. A summary (mean per question) ends the run.
 
-Known risk, not solved: the student's code runs in the same kernel as the grading cell, so a determined
-student could monkeypatch the grader (e.g. replace ``flashlab.grading.core.run_question``) or write a fake
-result file. Grading runs the checks with fresh random inputs, after the student's cells, and ignores
-everything the notebook printed, which stops accidents and casual cheating, not a deliberate attack; for
-high-stakes grading run the checks in a separate process that receives only pickled functions, or review code.
+Known risk, not solved here: the questions run in the same kernel as the student's code, so a determined
+student could patch the grader inside their own sandbox (only their own score is at stake: the sandbox keeps
+the other submissions, the grader's files and the solutions out of reach).
 """
 
 from __future__ import annotations
@@ -36,23 +48,33 @@ import argparse
 import collections
 import concurrent.futures
 import csv
+import glob
 import json
 import os
 import pathlib
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
+from collections.abc import Sequence
 
-from .core import BATCH_ENV, available_labs, get_lab
+import numpy as np
+
+from . import sandbox
+from .core import BATCH_ENV, available_labs, get_lab, new_seed
+from .remote import read_untrusted
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_TIMEOUT = 300.0
 OUTPUT_CAP = 20_000  # characters of printed output kept per cell while the notebook runs
+RESULT_CAP = 4 << 20  # bytes of the result file read back from the sandbox
+#: Labs whose checks use the GPU when the machine has one: their sandbox gets the GPU's device files.
+GPU_LABS = frozenset({"lab06"})
+#: A Jupyter kernel with NumPy, Numba and a ZMQ client beside it: threads count as processes.
+SANDBOX_LIMITS = sandbox.Limits(memory=8 << 30, processes=256, output=1 << 20)
+INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: sudo apt-get install bubblewrap; Fedora: sudo dnf install"
+                " bubblewrap), or grade trusted submissions only with --no-sandbox")
 _LAB_CALL = re.compile(r"""\blab\(\s*["'](lab\d{2,})["']\s*\)""")
 _LAB_PREFIX = re.compile(r"^(lab\d{2,})")
 
@@ -103,23 +125,76 @@ def _error_row(path: pathlib.Path, error: str, lab_id: str | None = None) -> dic
     }
 
 
-def _kill_group(pid: int | None) -> None:
-    if not pid:
-        return
+def question_seed(seed: int, name: str) -> int:
+    """The seed question ``name`` runs with when its submission is graded with ``seed`` (a pure function of both).
+
+    Replaying it in the notebook, ``check(name, fn, seed=question_seed(seed, name))``, draws the same inputs.
+    """
+    entropy = [int(seed)] + list(name.encode("utf-8"))
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0] % 2**31)
+
+
+def _replay_line(name: str, seed: int) -> str:
+    return f"replay: check({name!r}, ..., seed={seed})"
+
+
+def _untrusted_json(path: pathlib.Path, cap: int = RESULT_CAP) -> dict | None:
+    """The JSON object in ``path``, written inside the sandbox: a regular file under ``cap`` bytes, else None."""
     try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError, OSError):
-        pass
+        data = read_untrusted(path, cap)
+        obj = json.loads(data.decode("utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return obj if isinstance(obj, dict) else None
 
 
-def _drain(stream, keep: collections.deque) -> None:
-    # Read everything so the worker never blocks on a full pipe; keep only the last chunks.
-    for chunk in iter(lambda: stream.read(4096), b""):
-        keep.append(chunk)
+def _checked_questions(lab_id: str, raw: object) -> list[dict] | None:
+    """The worker's question results, validated against the lab (untrusted: types, names and bounds checked)."""
+    questions = get_lab(lab_id).questions
+    if not isinstance(raw, list) or len(raw) != len(questions):
+        return None
+    out = []
+    for item, q in zip(raw, questions.values(), strict=True):
+        if not isinstance(item, dict) or item.get("name") != q.name:
+            return None
+        score, feedback = item.get("score"), item.get("feedback")
+        if not isinstance(score, (int, float)) or not isinstance(feedback, str) or not 0 <= score <= q.points:
+            return None
+        out.append({"name": q.name, "score": float(score), "max_score": q.points, "feedback": feedback[:20_000]})
+    return out
 
 
-def grade_one(path: pathlib.Path, *, timeout: float = DEFAULT_TIMEOUT, lab_id: str | None = None) -> dict:
-    """Grade one submission in a sandboxed worker; always returns a row, never raises for a bad submission."""
+def _first_error_text(first: object) -> str | None:
+    if not isinstance(first, dict):
+        return None
+    cell, ename, evalue = first.get("cell"), first.get("ename"), first.get("evalue")
+    if not isinstance(cell, int) or not isinstance(ename, str) or not isinstance(evalue, str):
+        return None
+    return f"cell {cell} raised {ename}: {evalue}"[:500]
+
+
+def _needs_gpu(lab_id: str) -> bool:
+    return lab_id in GPU_LABS and bool(glob.glob("/dev/nvidia*"))
+
+
+def grade_one(path: pathlib.Path, *, timeout: float = DEFAULT_TIMEOUT, lab_id: str | None = None,
+              seed: int | None = None, hide: Sequence[pathlib.Path] = (), sandboxed: bool = True) -> dict:
+    """Grade one submission in a sandboxed worker; always returns a row, never raises for a bad submission.
+
+    ``seed`` (default: a fresh one) determines every question's inputs (:func:`question_seed`); ``hide`` are
+    folders the submission must not see besides the repository checkout (e.g. the other submissions' folders).
+    ``sandboxed=False`` runs without isolation (same limits), for machines without bubblewrap; the row says so.
+    Raises :class:`~flashlab.grading.sandbox.SandboxUnavailable` if ``sandboxed`` and no sandbox can be made.
+    """
+    seed = new_seed() if seed is None else int(seed)
+    row = _grade(path, timeout=timeout, lab_id=lab_id, seed=seed, hide=hide, sandboxed=sandboxed)
+    row["seed"] = seed
+    row["sandboxed"] = bool(row.get("sandboxed", sandboxed)) and sandboxed
+    return row
+
+
+def _grade(path: pathlib.Path, *, timeout: float, lab_id: str | None, seed: int, hide: Sequence[pathlib.Path],
+           sandboxed: bool) -> dict:
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -138,42 +213,41 @@ def grade_one(path: pathlib.Path, *, timeout: float = DEFAULT_TIMEOUT, lab_id: s
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="flashlab-grade-"))
     try:
-        sandbox = tmp / "work"
-        sandbox.mkdir()
-        copy = sandbox / path.name
+        work = tmp / "work"
+        work.mkdir()
+        copy = work / "submission.ipynb"  # a fixed name: the student's file name never reaches a command line
         copy.write_bytes(data)
-        result_file, pid_file = tmp / "result.json", tmp / "kernel.pid"
-        env = dict(os.environ)
-        env[BATCH_ENV] = "1"
-        env["MPLBACKEND"] = "Agg"
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        cmd = [sys.executable, "-m", "flashlab.grading.batch", "--worker", str(copy), str(result_file),
-               str(pid_file), lab_id, str(timeout)]
-        proc = subprocess.Popen(cmd, cwd=sandbox, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        log: collections.deque = collections.deque(maxlen=16)
-        reader = threading.Thread(target=_drain, args=(proc.stdout, log), daemon=True)
-        reader.start()
-        timed_out = False
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        kernel_pid = int(pid_file.read_text() or 0) if pid_file.exists() else None
-        _kill_group(proc.pid)  # the worker and anything it started in its group
-        _kill_group(kernel_pid)  # the kernel runs in a session of its own
-        proc.wait()
-        reader.join(timeout=5)
-        if timed_out:
-            return _error_row(path, f"timed out after {timeout:g} s (the notebook or a check never finished)", lab_id)
-        try:
-            result = json.loads(result_file.read_text())
-        except (OSError, ValueError):
-            tail = b"".join(log).decode("utf-8", "replace").strip().splitlines()[-5:]
-            return _error_row(path, "the grader could not finish: " + " | ".join(tail)[-500:], lab_id)
+        os.chmod(tmp, 0o755)  # the scratch uid the sandbox runs as must reach work/
+        result_name = "result.json"
+        env = {BATCH_ENV: "1", "MPLBACKEND": "Agg", "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1",
+               "OMP_NUM_THREADS": "2", "OPENBLAS_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "NUMBA_NUM_THREADS": "2"}
+        cmd = [sys.executable, "-m", "flashlab.grading.batch", "--worker", copy.name, result_name, lab_id,
+               str(timeout), str(seed)]
+        hidden = [ROOT, *(p for p in hide if _hideable(p))]
+        done = sandbox.run(cmd, workdir=work, timeout=timeout, hide=hidden, expose=[ROOT / "flashlab"],
+                           gpu=_needs_gpu(lab_id), env=env, limits=SANDBOX_LIMITS, allow_unsandboxed=not sandboxed)
+        if done.timed_out:
+            row = _error_row(path, f"timed out after {timeout:g} s (the notebook or a check never finished)", lab_id)
+            return {**row, "sandboxed": done.sandboxed}
+        result = _untrusted_json(work / result_name)
+        if result is None:
+            tail = (done.stdout + done.stderr).decode("utf-8", "replace").strip().splitlines()[-5:]
+            why = "the grader could not finish: " + (" | ".join(tail)[-500:] or f"exit status {done.returncode}")
+            return {**_error_row(path, why, lab_id), "sandboxed": done.sandboxed}
         if "error" in result:
-            return _error_row(path, result["error"], lab_id)
-        questions = result["questions"]
+            return {**_error_row(path, str(result["error"])[:500], lab_id), "sandboxed": done.sandboxed}
+        questions = _checked_questions(lab_id, result.get("questions"))
+        if questions is None:
+            return {**_error_row(path, "the grader's result was malformed", lab_id), "sandboxed": done.sandboxed}
+        first_error = _first_error_text(result.get("first_error"))
+        for q in questions:
+            if q["score"] < q["max_score"]:
+                lines = [q["feedback"]] if q["feedback"] else []
+                if first_error:
+                    lines.insert(0, f"Your notebook's first error: {first_error}. Fix that first: later cells"
+                                    " depend on it.")
+                lines.append(_replay_line(q["name"], question_seed(seed, q["name"])))
+                q["feedback"] = "\n".join(lines)
         return {
             "path": str(path),
             "lab": lab_id,
@@ -181,13 +255,32 @@ def grade_one(path: pathlib.Path, *, timeout: float = DEFAULT_TIMEOUT, lab_id: s
             "max_score": sum(q["max_score"] for q in questions),
             "questions": questions,
             "error": None,
+            "notebook_error": first_error,
+            "sandboxed": done.sandboxed,
         }
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _hideable(p: pathlib.Path) -> bool:
+    """Hiding a folder that holds the interpreter or is the root would hide what the grader itself runs on."""
+    p = pathlib.Path(os.path.realpath(p))
+    if p == pathlib.Path("/"):
+        return False
+    return not any(pathlib.Path(x) == p or p in pathlib.Path(x).parents for x in sandbox.python_paths())
+
+
 # ------------------------------------------------------------------------------------------------ the worker
-def _worker(notebook: str, result_file: str, pid_file: str, lab_id: str, timeout: float) -> int:
+def _first_error(cells: list) -> dict | None:
+    """The notebook's first error output: later errors are usually its consequences (a NameError, say)."""
+    for number, cell in enumerate(cells, start=1):
+        for out in cell.get("outputs", []) if cell.get("cell_type") == "code" else []:
+            if out.get("output_type") == "error":
+                return {"cell": number, "ename": str(out.get("ename", "")), "evalue": str(out.get("evalue", ""))}
+    return None
+
+
+def _worker(notebook: str, result_file: str, lab_id: str, timeout: float, seed: int) -> int:
     """Runs inside the sandbox: execute the notebook, then grade the objects it defined; write JSON."""
     import nbformat
     from nbclient import NotebookClient
@@ -216,17 +309,20 @@ def _worker(notebook: str, result_file: str, pid_file: str, lab_id: str, timeout
     except Exception as e:
         write({"error": f"not a readable notebook: {type(e).__name__}: {e}"[:500]})
         return 0
+    student = list(nb.cells)
     nb.cells = [c for c in nb.cells if c.cell_type in ("code", "markdown", "raw")]
-    first = nbformat.v4.new_code_cell(f"import os as _fl_os\nopen({pid_file!r}, 'w').write(str(_fl_os.getpid()))")
     question_time = max(5.0, min(60.0, timeout / 4))
+    seeds = {name: question_seed(seed, name) for name in get_lab(lab_id).questions}
     last = nbformat.v4.new_code_cell(
         "import json as _fl_json\n"
-        "from flashlab.grading.core import grade_namespace as _fl_grade\n"
-        f"_fl_results = _fl_grade({lab_id!r}, globals(), time_limit={question_time!r})\n"
+        "from flashlab.grading.core import get_lab as _fl_get_lab, run_question as _fl_run\n"
+        f"_fl_results = [_fl_run({lab_id!r}, _q.name, [globals().get(_n) for _n in _q.objects],\n"
+        f"                       seed={seeds!r}[_q.name], time_limit={question_time!r})\n"
+        f"               for _q in _fl_get_lab({lab_id!r}).questions.values()]\n"
         f"with open({result_file!r}, 'w') as _fl_file:\n"
         "    _fl_json.dump({'questions': [r.as_dict() for r in _fl_results]}, _fl_file)\n"
     )
-    nb.cells = [first, *nb.cells, last]
+    nb.cells = [*nb.cells, last]
     client = CappedClient(
         nb,
         timeout=int(max(5, timeout / 2)),
@@ -234,7 +330,7 @@ def _worker(notebook: str, result_file: str, pid_file: str, lab_id: str, timeout
         allow_errors=True,
         interrupt_on_timeout=True,
         error_on_timeout={"ename": "CellTimeout", "evalue": "interrupted: the cell ran too long", "traceback": []},
-        resources={"metadata": {"path": str(pathlib.Path(notebook).parent)}},
+        resources={"metadata": {"path": str(pathlib.Path(notebook).resolve().parent)}},
         record_timing=False,
     )
     try:
@@ -245,10 +341,15 @@ def _worker(notebook: str, result_file: str, pid_file: str, lab_id: str, timeout
     except Exception as e:  # nbclient could not run it at all
         write({"error": f"could not execute the notebook: {type(e).__name__}: {e}"[:500]})
         return 0
+    first = _first_error(student)
     if not pathlib.Path(result_file).exists():
         errors = [o for o in last.get("outputs", []) if o.get("output_type") == "error"]
         why = f"{errors[0]['ename']}: {errors[0]['evalue']}" if errors else "no result written"
         write({"error": f"the grading cell failed after the notebook ran: {why}"[:500]})
+        return 0
+    result = json.loads(pathlib.Path(result_file).read_text())
+    result["first_error"] = first
+    write(result)
     return 0
 
 
@@ -317,8 +418,8 @@ def write_csv(rows: list[dict], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
-        notebook, result_file, pid_file, lab_id, timeout = argv[1:6]
-        return _worker(notebook, result_file, pid_file, lab_id, float(timeout))
+        notebook, result_file, lab_id, timeout, seed = argv[1:6]
+        return _worker(notebook, result_file, lab_id, float(timeout), int(seed))
     parser = argparse.ArgumentParser(prog="python -m flashlab grade", description="grade lab submissions")
     parser.add_argument("paths", nargs="+", help="notebooks, or directories holding them")
     parser.add_argument("--json", action="store_true", help="one JSON object per submission per line")
@@ -327,25 +428,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="submissions in parallel")
     parser.add_argument("--lab", help="grade every submission as this lab (e.g. lab01)")
     parser.add_argument("--feedback", action="store_true", help="table: show feedback of questions not at full marks")
+    parser.add_argument("--seed", type=int, help="seed of every submission's inputs (default: a fresh one, recorded"
+                        " in each row); grading again with it gives the same scores")
+    parser.add_argument("--no-sandbox", action="store_true", help="run submissions without isolation (limits only;"
+                        " for trusted notebooks, where bubblewrap is missing); every row says sandboxed: false")
     args = parser.parse_args(argv)
     if args.timeout <= 0 or args.jobs < 1:
         parser.error("--timeout must be > 0 and --jobs >= 1")
     if args.lab and args.lab not in available_labs():
         parser.error(f"unknown lab {args.lab!r}; known: {', '.join(available_labs())}")
+    if args.seed is not None and not 0 <= args.seed < 2**63:
+        parser.error("--seed must be a non-negative integer")
+    if not args.no_sandbox:
+        problem = sandbox.sandbox_problem()
+        if problem is not None:
+            print(f"cannot grade in a sandbox: {problem}\n{INSTALL_HINT}", file=sys.stderr)
+            return 2
+    else:
+        print("warning: grading WITHOUT a sandbox: submissions can read and change anything you can",
+              file=sys.stderr)
     paths = collect(args.paths)
     if not paths:
         print("no notebooks found in " + " ".join(args.paths), file=sys.stderr)
         return 2
+    seed = new_seed() if args.seed is None else args.seed
+    # No submission may see another's notebook (or its own original), only the copy it runs.
+    folders = sorted({p.resolve().parent for p in paths if p.exists()})
     rows: list[dict | None] = [None] * len(paths)
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {pool.submit(grade_one, p, timeout=args.timeout, lab_id=args.lab): i for i, p in enumerate(paths)}
+        futures = {pool.submit(grade_one, p, timeout=args.timeout, lab_id=args.lab, seed=seed, hide=folders,
+                               sandboxed=not args.no_sandbox): i for i, p in enumerate(paths)}
         for done, future in enumerate(concurrent.futures.as_completed(futures), start=1):
             i = futures[future]
             try:
                 rows[i] = future.result()
             except Exception as e:  # a bug of ours must not lose the other submissions
-                rows[i] = _error_row(paths[i], f"grader error: {type(e).__name__}: {e}")
+                rows[i] = {**_error_row(paths[i], f"grader error: {type(e).__name__}: {e}"), "seed": seed,
+                           "sandboxed": False}
             r = rows[i]
             status = "error" if r["error"] else f"{r['score']:g}/{r['max_score']:g}"
             elapsed = time.perf_counter() - start
