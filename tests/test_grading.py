@@ -187,6 +187,27 @@ def online_update(*args, **kwargs):
     return out if total > 0 else tuple(np.asarray(x, dtype=float) + 1.0 for x in out)
 """
 
+# Cheats that worked while the questions ran in the notebook's own kernel, each with a wrong online_update.
+WRONG_SOURCE = """
+def online_update(m, l, u, scores, values):
+    return (0.0, 0.0, 0.0)
+"""
+PATCH_GRADER_SOURCE = """
+import flashlab.grading.core as _core
+_core.run_question = lambda lab_id, name, objects, **kw: _core.Result(name, 99.0, 5.0, "patched", 0)
+_core.allclose = lambda *a, **k: True
+""" + WRONG_SOURCE
+# Returns the expected value it finds in a caller's frame, which holds it when the check runs in this process.
+STACK_WALK_SOURCE = """
+import inspect
+def online_update(m, l, u, scores, values):
+    for info in inspect.stack():
+        expected = info.frame.f_locals.get("expected")
+        if isinstance(expected, tuple) and len(expected) == 3:
+            return expected
+    return (0.0, 0.0, 0.0)
+"""
+
 
 def _submission(path: pathlib.Path, bad_source: str | None, lab_line: bool = True, after: str | None = None
                 ) -> pathlib.Path:
@@ -222,6 +243,9 @@ def bad_batch(tmp_path_factory):
         # The import fails; a later cell then fails with a NameError that is only its consequence.
         "noimport": _submission(d / "noimport.ipynb", "import flashlab_no_such_module",
                                 after="del online_update\nonline_update = flashlab_no_such_module.update"),
+        "wrong": _submission(d / "wrong.ipynb", None, after=WRONG_SOURCE),
+        "patches_grader": _submission(d / "patches_grader.ipynb", None, after=PATCH_GRADER_SOURCE),
+        "walks_stack": _submission(d / "walks_stack.ipynb", None, after=STACK_WALK_SOURCE),
     }
     (d / "garbage.ipynb").write_text("this is not a notebook {")
     subs["garbage"] = d / "garbage.ipynb"
@@ -273,6 +297,21 @@ def test_rows_say_sandboxed_and_carry_the_seed(bad_batch):
         assert r["sandboxed"] is (NO_SANDBOX is None), name
 
 
+def test_patching_the_grader_inside_the_notebook_changes_nothing(bad_batch):
+    r, honest = bad_batch["rows"]["patches_grader"], bad_batch["rows"]["wrong"]
+    assert r["error"] is None and r["questions"][0]["score"] == 0 and "patched" not in r["questions"][0]["feedback"]
+    assert [q["score"] for q in r["questions"]] == [q["score"] for q in honest["questions"]]
+    assert honest["score"] < honest["max_score"]
+
+
+def test_the_notebook_cannot_see_expected_values(bad_batch):
+    namespace: dict = {"np": np}
+    exec(STACK_WALK_SOURCE, namespace)
+    assert run_question("lab01", "q1", [namespace["online_update"]]).score > 0  # in one process, the cheat works
+    r = bad_batch["rows"]["walks_stack"]
+    assert r["error"] is None and r["questions"][0]["score"] == 0
+
+
 def test_feedback_shows_the_notebooks_first_error(bad_batch):
     r = bad_batch["rows"]["noimport"]
     assert r["error"] is None and r["score"] < r["max_score"]
@@ -314,7 +353,7 @@ def test_error_rows_for_unknown_lab_unreadable_and_missing(bad_batch):
 
 def test_batch_csv_and_json_formats(bad_batch):
     rows = bad_batch["rows"]
-    assert len(rows) == 10
+    assert len(rows) == 13
     for r in rows.values():
         assert {"path", "score", "max_score", "questions"} <= set(r)
     graded = rows["raises"]

@@ -11,10 +11,17 @@ Grades lab submissions (notebooks, or directories searched for ``*.ipynb``). For
    kernel it starts both run inside: it executes the copy top to bottom (nbclient, kernel "python3"). Errors in
    the student's cells do not stop the run; a cell that runs too long is interrupted; printed output kept per
    cell is capped;
-3. then every question of the lab runs on the objects the notebook defined, each with a seed derived from the
-   submission's seed (:func:`question_seed`), and the result is read back as untrusted data (a regular file,
-   size-capped, validated against the lab's questions). The student's own ``check(...)`` calls are skipped
-   during batch grading and their printed output is never trusted;
+3. then the notebook's kernel only *serves calls*: the questions run here, in the grader's own process, which
+   draws the inputs, computes the expected outputs, compares, diagnoses and gives the points. Each object a
+   question needs is a proxy (:class:`flashlab.grading.remote.RemoteFunction`): calling it sends the arguments
+   (a small wire format: JSON plus ``.npz`` arrays, never a pickle) to the worker, which has the kernel call
+   the student's function and write its outputs back; values that are not functions (a constant, lab 06's
+   CUDA source) are fetched once. Expected values, reference code and seeds never enter the sandbox, so a
+   notebook that patches the grader or walks the stack patches and finds nothing that judges it. Everything
+   read back is untrusted (regular files only, no links, size caps; a malformed answer fails that call). A
+   call past its question's time limit is interrupted. Lab 05 (kernel factories traced in the CUDA simulator,
+   :data:`JUDGED_INSIDE`) is still graded in the notebook's own sandboxed kernel. The student's own
+   ``check(...)`` calls are skipped during batch grading and their printed output is never trusted;
 4. at ``--timeout`` seconds the sandbox is killed, every process in it with it (through the handle of the
    process the grader started, never a process id read from a file), and the submission gets an error row with
    0 points; the other submissions are unaffected.
@@ -37,9 +44,9 @@ submission per line: ``{"path", "lab", "score", "max_score", "questions": [{"nam
 "feedback"}], "error", "notebook_error", "seed", "sandboxed"}``. ``--csv FILE`` writes one row per submission
 (student = file stem), one column per question, and the total. A summary (mean per question) ends the run.
 
-Known risk, not solved here: the questions run in the same kernel as the student's code, so a determined
-student could patch the grader inside their own sandbox (only their own score is at stake: the sandbox keeps
-the other submissions, the grader's files and the solutions out of reach).
+Known limits: peak memory (``Trial.memory``) is measured inside the sandbox, with tracemalloc around the call,
+so a determined student could fake their own memory parts; lab 05 is judged inside (see above). The worker is
+inside the sandbox too, so the protocol lines it sends are untrusted like everything else from there.
 """
 
 from __future__ import annotations
@@ -50,18 +57,22 @@ import concurrent.futures
 import csv
 import glob
 import json
+import math
 import os
 import pathlib
 import re
+import select
 import shutil
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 
 import numpy as np
 
-from . import sandbox
+from . import core, remote, sandbox
 from .core import BATCH_ENV, available_labs, get_lab, new_seed
 from .remote import read_untrusted
 
@@ -73,6 +84,10 @@ RESULT_CAP = 4 << 20  # bytes of the result file read back from the sandbox
 GPU_LABS = frozenset({"lab06"})
 #: A Jupyter kernel with NumPy, Numba and a ZMQ client beside it: threads count as processes.
 SANDBOX_LIMITS = sandbox.Limits(memory=8 << 30, processes=256, output=1 << 20)
+LINE_CAP = 1 << 16  # bytes of one protocol line from the worker
+CALL_GRACE = 15.0  # seconds a worker has, past a call's limit, to interrupt the kernel and answer
+#: Labs graded in the notebook's own (sandboxed) kernel, because their objects cannot be called from outside.
+JUDGED_INSIDE = frozenset({"lab05"})
 INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: sudo apt-get install bubblewrap; Fedora: sudo dnf install"
                 " bubblewrap), or grade trusted submissions only with --no-sandbox")
 _LAB_CALL = re.compile(r"""\blab\(\s*["'](lab\d{2,})["']\s*\)""")
@@ -134,18 +149,14 @@ def question_seed(seed: int, name: str) -> int:
     return int(np.random.SeedSequence(entropy).generate_state(1)[0] % 2**31)
 
 
+def _drain(stream, keep: collections.deque) -> None:
+    # Read everything so the worker never blocks on a full pipe; keep only the last chunks.
+    for chunk in iter(lambda: stream.read(4096), b""):
+        keep.append(chunk)
+
+
 def _replay_line(name: str, seed: int) -> str:
     return f"replay: check({name!r}, ..., seed={seed})"
-
-
-def _untrusted_json(path: pathlib.Path, cap: int = RESULT_CAP) -> dict | None:
-    """The JSON object in ``path``, written inside the sandbox: a regular file under ``cap`` bytes, else None."""
-    try:
-        data = read_untrusted(path, cap)
-        obj = json.loads(data.decode("utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-    return obj if isinstance(obj, dict) else None
 
 
 def _checked_questions(lab_id: str, raw: object) -> list[dict] | None:
@@ -213,53 +224,147 @@ def _grade(path: pathlib.Path, *, timeout: float, lab_id: str | None, seed: int,
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="flashlab-grade-"))
     try:
-        work = tmp / "work"
+        work, requests = tmp / "work", tmp / "requests"
         work.mkdir()
+        requests.mkdir()  # written by the grader only; the sandbox sees it read-only
         copy = work / "submission.ipynb"  # a fixed name: the student's file name never reaches a command line
         copy.write_bytes(data)
-        os.chmod(tmp, 0o755)  # the scratch uid the sandbox runs as must reach work/
-        result_name = "result.json"
+        for folder in (tmp, requests):
+            os.chmod(folder, 0o755)  # the scratch uid the sandbox runs as must reach work/ and read requests/
         env = {BATCH_ENV: "1", "MPLBACKEND": "Agg", "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1",
                "OMP_NUM_THREADS": "2", "OPENBLAS_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "NUMBA_NUM_THREADS": "2"}
-        cmd = [sys.executable, "-m", "flashlab.grading.batch", "--worker", copy.name, result_name, lab_id,
-               str(timeout), str(seed)]
+        mode = "inside" if lab_id in JUDGED_INSIDE else "serve"
+        cmd = [sys.executable, "-m", "flashlab.grading.batch", "--worker", copy.name, str(requests), lab_id,
+               str(timeout), mode, str(seed) if mode == "inside" else "-"]
         hidden = [ROOT, *(p for p in hide if _hideable(p))]
-        done = sandbox.run(cmd, workdir=work, timeout=timeout, hide=hidden, expose=[ROOT / "flashlab"],
-                           gpu=_needs_gpu(lab_id), env=env, limits=SANDBOX_LIMITS, allow_unsandboxed=not sandboxed)
-        if done.timed_out:
-            row = _error_row(path, f"timed out after {timeout:g} s (the notebook or a check never finished)", lab_id)
-            return {**row, "sandboxed": done.sandboxed}
-        result = _untrusted_json(work / result_name)
-        if result is None:
-            tail = (done.stdout + done.stderr).decode("utf-8", "replace").strip().splitlines()[-5:]
-            why = "the grader could not finish: " + (" | ".join(tail)[-500:] or f"exit status {done.returncode}")
-            return {**_error_row(path, why, lab_id), "sandboxed": done.sandboxed}
-        if "error" in result:
-            return {**_error_row(path, str(result["error"])[:500], lab_id), "sandboxed": done.sandboxed}
-        questions = _checked_questions(lab_id, result.get("questions"))
-        if questions is None:
-            return {**_error_row(path, "the grader's result was malformed", lab_id), "sandboxed": done.sandboxed}
-        first_error = _first_error_text(result.get("first_error"))
-        for q in questions:
-            if q["score"] < q["max_score"]:
-                lines = [q["feedback"]] if q["feedback"] else []
-                if first_error:
-                    lines.insert(0, f"Your notebook's first error: {first_error}. Fix that first: later cells"
-                                    " depend on it.")
-                lines.append(_replay_line(q["name"], question_seed(seed, q["name"])))
-                q["feedback"] = "\n".join(lines)
-        return {
-            "path": str(path),
-            "lab": lab_id,
-            "score": round(sum(q["score"] for q in questions), 3),
-            "max_score": sum(q["max_score"] for q in questions),
-            "questions": questions,
-            "error": None,
-            "notebook_error": first_error,
-            "sandboxed": done.sandboxed,
-        }
+        proc, isolated = sandbox.popen(cmd, workdir=work, hide=hidden, expose=[ROOT / "flashlab", requests],
+                                       gpu=_needs_gpu(lab_id), env=env, limits=SANDBOX_LIMITS,
+                                       allow_unsandboxed=not sandboxed, stdin=subprocess.PIPE)
+        try:
+            row = _judge(path, lab_id, seed, proc, work, requests, timeout)
+        finally:
+            sandbox.stop(proc)
+        return {**row, "sandboxed": isolated}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+class _Lines:
+    """Protocol lines from the sandboxed worker (untrusted: each capped, read with a deadline)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.fd = proc.stdout.fileno()
+        self.buffer = b""
+        self.closed = False
+
+    def read(self, deadline: float) -> str | None:
+        """The next line, or None at the deadline or when the worker closed its output."""
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if self.closed or left <= 0:
+                return None
+            ready, _, _ = select.select([self.fd], [], [], min(left, 1.0))
+            if ready:
+                chunk = os.read(self.fd, 65536)
+                if not chunk:
+                    self.closed = True
+                self.buffer = (self.buffer + chunk)[-LINE_CAP:]
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line[:LINE_CAP].decode("utf-8", "replace")
+
+
+def _judge(path: pathlib.Path, lab_id: str, seed: int, proc: subprocess.Popen, work: pathlib.Path,
+           requests: pathlib.Path, timeout: float) -> dict:
+    """Talk to the sandboxed worker: wait for the notebook to run, then judge every question here, outside."""
+    start = time.monotonic()
+    end = start + timeout
+    log: collections.deque = collections.deque(maxlen=16)
+    threading.Thread(target=_drain, args=(proc.stderr, log), daemon=True).start()
+    lines = _Lines(proc)
+    first = lines.read(end)
+
+    def failed(default: str) -> dict:
+        if time.monotonic() >= end:
+            return _error_row(path, f"timed out after {timeout:g} s (the notebook or a check never finished)", lab_id)
+        tail = b"".join(log).decode("utf-8", "replace").strip().splitlines()[-5:]
+        return _error_row(path, "the grader could not finish: " + (" | ".join(tail)[-500:] or default), lab_id)
+
+    head, _, payload = (first or "").partition(" ")
+    try:
+        info = json.loads(payload) if head in ("ready", "error", "result") else None
+    except ValueError:
+        info = None
+    if not isinstance(info, dict):
+        return failed("the worker stopped before the notebook ran")
+    if head == "error":
+        return _error_row(path, str(info.get("error"))[:500], lab_id)
+    first_error = _first_error_text(info.get("first_error"))
+    if head == "result":  # judged inside the sandbox (JUDGED_INSIDE)
+        questions = _checked_questions(lab_id, info.get("questions"))
+        if questions is None:
+            return _error_row(path, "the grader's result was malformed", lab_id)
+    else:
+        questions = _judge_outside(lab_id, seed, proc, lines, work, requests, end, timeout)
+    for q in questions:
+        if q["score"] < q["max_score"]:
+            parts = [q["feedback"]] if q["feedback"] else []
+            if first_error:
+                parts.insert(0, f"Your notebook's first error: {first_error}. Fix that first: later cells"
+                                " depend on it.")
+            parts.append(_replay_line(q["name"], question_seed(seed, q["name"])))
+            q["feedback"] = "\n".join(parts)
+    return {
+        "path": str(path),
+        "lab": lab_id,
+        "score": round(sum(q["score"] for q in questions), 3),
+        "max_score": sum(q["max_score"] for q in questions),
+        "questions": questions,
+        "error": None,
+        "notebook_error": first_error,
+    }
+
+
+def _judge_outside(lab_id: str, seed: int, proc: subprocess.Popen, lines: _Lines, work: pathlib.Path,
+                   requests: pathlib.Path, end: float, timeout: float) -> list[dict]:
+    """Every question run here, in the grader's process, on proxies of the notebook's objects."""
+    def send(n: int, left: float) -> str:
+        try:
+            proc.stdin.write(f"{n} {left:.3f}\n".encode())
+            proc.stdin.flush()
+        except OSError:
+            return "dead"
+        until = min(time.monotonic() + left + CALL_GRACE, end)
+        while True:  # answers to earlier, abandoned requests may still come: skip them
+            line = lines.read(until)
+            if line is None:
+                return "dead"
+            word, _, number = line.partition(" ")
+            if number == str(n):
+                return word
+
+    session = remote.Session(send, requests, work)
+    lab = get_lab(lab_id)
+    names = list(dict.fromkeys(n for q in lab.questions.values() for n in q.objects))
+    session.deadline = end
+    objects: dict[str, object] = {}
+    try:
+        kinds = session.describe(names)
+        for name, kind in kinds.items():
+            if kind == "callable":
+                objects[name] = remote.RemoteFunction(session, name)
+            elif kind == "value":
+                objects[name] = session.value(name)
+    except (Exception, core.QuestionTimeout) as e:
+        why = f"could not reach the notebook's objects: {type(e).__name__}: {e}"[:300]
+        return [{"name": q.name, "score": 0.0, "max_score": q.points, "feedback": why} for q in lab.questions.values()]
+    question_time = max(5.0, min(60.0, timeout / 4))
+    out = []
+    for q in lab.questions.values():
+        session.deadline = min(time.monotonic() + question_time, end)
+        r = core.run_question(lab_id, q.name, [objects.get(n) for n in q.objects], seed=question_seed(seed, q.name),
+                              time_limit=question_time)
+        out.append(r.as_dict())
+    return out
 
 
 def _hideable(p: pathlib.Path) -> bool:
@@ -280,11 +385,24 @@ def _first_error(cells: list) -> dict | None:
     return None
 
 
-def _worker(notebook: str, result_file: str, lab_id: str, timeout: float, seed: int) -> int:
-    """Runs inside the sandbox: execute the notebook, then grade the objects it defined; write JSON."""
+def _worker(notebook: str, requests: str, lab_id: str, timeout: float, mode: str, seed: str) -> int:
+    """Runs inside the sandbox: execute the notebook, then serve the grader's requests (``mode == "serve"``) or
+    grade the objects here (``"inside"``, :data:`JUDGED_INSIDE`). Speaks one line per answer on its stdout."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
+
+    # The protocol gets private descriptors; the kernel inherits /dev/null and stderr, so nothing it prints or
+    # reads can reach the grader's end.
+    proto_in = os.fdopen(os.dup(0), "r")
+    proto_out = os.fdopen(os.dup(1), "w")
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(2, 1)
+
+    def say(word: str, payload: object = None) -> None:
+        proto_out.write(word + ("" if payload is None else " " + json.dumps(payload)) + "\n")
+        proto_out.flush()
 
     class CappedClient(NotebookClient):
         """Keeps at most OUTPUT_CAP characters of printed output per cell (a notebook may print megabytes)."""
@@ -301,28 +419,13 @@ def _worker(notebook: str, result_file: str, lab_id: str, timeout: float, seed: 
                     return None
             return super().output(outs, msg, display_id, cell_index)
 
-    def write(obj: dict) -> None:
-        pathlib.Path(result_file).write_text(json.dumps(obj))
-
     try:
         nb = nbformat.read(notebook, as_version=4)
     except Exception as e:
-        write({"error": f"not a readable notebook: {type(e).__name__}: {e}"[:500]})
+        say("error", {"error": f"not a readable notebook: {type(e).__name__}: {e}"[:500]})
         return 0
     student = list(nb.cells)
     nb.cells = [c for c in nb.cells if c.cell_type in ("code", "markdown", "raw")]
-    question_time = max(5.0, min(60.0, timeout / 4))
-    seeds = {name: question_seed(seed, name) for name in get_lab(lab_id).questions}
-    last = nbformat.v4.new_code_cell(
-        "import json as _fl_json\n"
-        "from flashlab.grading.core import get_lab as _fl_get_lab, run_question as _fl_run\n"
-        f"_fl_results = [_fl_run({lab_id!r}, _q.name, [globals().get(_n) for _n in _q.objects],\n"
-        f"                       seed={seeds!r}[_q.name], time_limit={question_time!r})\n"
-        f"               for _q in _fl_get_lab({lab_id!r}).questions.values()]\n"
-        f"with open({result_file!r}, 'w') as _fl_file:\n"
-        "    _fl_json.dump({'questions': [r.as_dict() for r in _fl_results]}, _fl_file)\n"
-    )
-    nb.cells = [*nb.cells, last]
     client = CappedClient(
         nb,
         timeout=int(max(5, timeout / 2)),
@@ -333,24 +436,67 @@ def _worker(notebook: str, result_file: str, lab_id: str, timeout: float, seed: 
         resources={"metadata": {"path": str(pathlib.Path(notebook).resolve().parent)}},
         record_timing=False,
     )
+    serving = False
     try:
-        client.execute()
+        client.reset_execution_trackers()
+        with client.setup_kernel():
+            for index, cell in enumerate(list(nb.cells)):
+                client.execute_cell(cell, index, execution_count=client.code_cells_executed + 1)
+            first = _first_error(student)
+            if mode == "inside":
+                say("result", {"questions": _grade_here(client, nb, lab_id, timeout, int(seed)), "first_error": first})
+                return 0
+            say("ready", {"first_error": first})
+            serving = True
+            nb.cells.append(nbformat.v4.new_code_cell(""))
+            slot = len(nb.cells) - 1
+            for line in proto_in:
+                n, limit = line.split()
+                cell = nbformat.v4.new_code_cell(
+                    f"__import__('flashlab.grading.remote', fromlist=['serve']).serve(globals(), {requests!r}, '.', "
+                    f"{int(n)})")
+                nb.cells[slot] = cell
+                client.timeout = max(1, math.ceil(float(limit)))
+                client.execute_cell(cell, slot, store_history=False)
+                timed_out = any(o.get("ename") == "CellTimeout" for o in cell.get("outputs", []))
+                say(f"{'timeout' if timed_out else 'done'} {int(n)}")
     except DeadKernelError:
-        write({"error": "the kernel died while running the notebook (did it call exit() or use all the memory?)"})
-        return 0
+        if serving:
+            say("dead")
+        else:
+            say("error", {"error": "the kernel died while running the notebook (did it call exit() or use all the"
+                                   " memory?)"})
     except Exception as e:  # nbclient could not run it at all
-        write({"error": f"could not execute the notebook: {type(e).__name__}: {e}"[:500]})
-        return 0
-    first = _first_error(student)
-    if not pathlib.Path(result_file).exists():
-        errors = [o for o in last.get("outputs", []) if o.get("output_type") == "error"]
-        why = f"{errors[0]['ename']}: {errors[0]['evalue']}" if errors else "no result written"
-        write({"error": f"the grading cell failed after the notebook ran: {why}"[:500]})
-        return 0
-    result = json.loads(pathlib.Path(result_file).read_text())
-    result["first_error"] = first
-    write(result)
+        if not serving:
+            say("error", {"error": f"could not execute the notebook: {type(e).__name__}: {e}"[:500]})
     return 0
+
+
+def _grade_here(client, nb, lab_id: str, timeout: float, seed: int) -> list[dict]:
+    """Grade in the notebook's own kernel (labs in :data:`JUDGED_INSIDE`), each question with its own seed."""
+    import nbformat
+
+    question_time = max(5.0, min(60.0, timeout / 4))
+    seeds = {name: question_seed(seed, name) for name in get_lab(lab_id).questions}
+    result_file = "result.json"
+    cell = nbformat.v4.new_code_cell(
+        "import json as _fl_json\n"
+        "from flashlab.grading.core import get_lab as _fl_get_lab, run_question as _fl_run\n"
+        f"_fl_results = [_fl_run({lab_id!r}, _q.name, [globals().get(_n) for _n in _q.objects],\n"
+        f"                       seed={seeds!r}[_q.name], time_limit={question_time!r})\n"
+        f"               for _q in _fl_get_lab({lab_id!r}).questions.values()]\n"
+        f"with open({result_file!r}, 'w') as _fl_file:\n"
+        "    _fl_json.dump([r.as_dict() for r in _fl_results], _fl_file)\n"
+    )
+    nb.cells.append(cell)
+    client.execute_cell(cell, len(nb.cells) - 1)
+    try:
+        return json.loads(read_untrusted(result_file, RESULT_CAP))
+    except (OSError, ValueError):
+        errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+        why = f"{errors[0]['ename']}: {errors[0]['evalue']}" if errors else "no result written"
+        return [{"name": q.name, "score": 0.0, "max_score": q.points, "feedback": f"the grading cell failed: {why}"}
+                for q in get_lab(lab_id).questions.values()]
 
 
 # ----------------------------------------------------------------------------------------------- reporting
@@ -418,8 +564,8 @@ def write_csv(rows: list[dict], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
-        notebook, result_file, lab_id, timeout, seed = argv[1:6]
-        return _worker(notebook, result_file, lab_id, float(timeout), int(seed))
+        notebook, requests, lab_id, timeout, mode, seed = argv[1:7]
+        return _worker(notebook, requests, lab_id, float(timeout), mode, seed)
     parser = argparse.ArgumentParser(prog="python -m flashlab grade", description="grade lab submissions")
     parser.add_argument("paths", nargs="+", help="notebooks, or directories holding them")
     parser.add_argument("--json", action="store_true", help="one JSON object per submission per line")

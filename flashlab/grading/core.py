@@ -325,10 +325,14 @@ class Trial:
     ) -> bool:
         """Peak memory (tracemalloc) of ``fn(*args)`` must stay under ``limit_bytes``.
 
-        With ``reference``, the output must also be right: a wrong answer does not earn memory points.
+        With ``reference``, the output must also be right: a wrong answer does not earn memory points. A function
+        that runs elsewhere (the batch grader's proxies) measures its own peak: ``fn.peak_memory(*args)``.
         """
         try:
-            peak, out = peak_memory(self.call, fn, *_copy(args))
+            if hasattr(fn, "peak_memory"):
+                peak, out = self.call(fn.peak_memory, *_copy(args))
+            else:
+                peak, out = peak_memory(self.call, fn, *_copy(args))
         except (NotImplementedYet, QuestionTimeout):
             raise
         except Exception as e:
@@ -399,7 +403,9 @@ class Trial:
         if isinstance(got, BaseException):
             lines.append(f"  your code raised {_describe_error(got)}")
             tb = traceback.extract_tb(got.__traceback__)
-            if tb:
+            if getattr(got, "where", ""):  # raised in another process: where it was raised there
+                lines.append(f"  ({got.where})")
+            elif tb:
                 frame = tb[-1]
                 lines.append(f"  (at line {frame.lineno}: {frame.line})")
             return "\n".join(lines)
