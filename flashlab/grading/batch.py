@@ -19,9 +19,10 @@ Grades lab submissions (notebooks, or directories searched for ``*.ipynb``). For
    CUDA source) are fetched once. Expected values, reference code and seeds never enter the sandbox, so a
    notebook that patches the grader or walks the stack patches and finds nothing that judges it. Everything
    read back is untrusted (regular files only, no links, size caps; a malformed answer fails that call). A
-   call past its question's time limit is interrupted. Lab 05 (kernel factories traced in the CUDA simulator,
-   :data:`JUDGED_INSIDE`) is still graded in the notebook's own sandboxed kernel. The student's own
-   ``check(...)`` calls are skipped during batch grading and their printed output is never trusted;
+   call past its question's time limit is interrupted. Lab 05's kernels cannot leave their process: a remote
+   procedure (:func:`flashlab.grading.lab05.traced_launch`) launches and traces them inside and sends back the
+   outputs, judged outside, and the race report, measured inside. The student's own ``check(...)`` calls are
+   skipped during batch grading and their printed output is never trusted;
 4. at ``--timeout`` seconds the sandbox is killed, every process in it with it (through the handle of the
    process the grader started, never a process id read from a file), and the submission gets an error row with
    0 points; the other submissions are unaffected.
@@ -45,7 +46,8 @@ submission per line: ``{"path", "lab", "score", "max_score", "questions": [{"nam
 (student = file stem), one column per question, and the total. A summary (mean per question) ends the run.
 
 Known limits: peak memory (``Trial.memory``) is measured inside the sandbox, with tracemalloc around the call,
-so a determined student could fake their own memory parts; lab 05 is judged inside (see above). The worker is
+so a determined student could fake their own memory parts, and so could they lab 05's race report (see above).
+:data:`JUDGED_INSIDE` lists labs graded entirely in the notebook's kernel (none today). The worker is
 inside the sandbox too, so the protocol lines it sends are untrusted like everything else from there.
 """
 
@@ -72,6 +74,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .. import numba_cuda
 from . import core, remote, sandbox
 from .core import BATCH_ENV, available_labs, get_lab, new_seed
 from .remote import read_untrusted
@@ -87,7 +90,9 @@ SANDBOX_LIMITS = sandbox.Limits(memory=8 << 30, processes=256, output=1 << 20)
 LINE_CAP = 1 << 16  # bytes of one protocol line from the worker
 CALL_GRACE = 15.0  # seconds a worker has, past a call's limit, to interrupt the kernel and answer
 #: Labs graded in the notebook's own (sandboxed) kernel, because their objects cannot be called from outside.
-JUDGED_INSIDE = frozenset({"lab05"})
+JUDGED_INSIDE: frozenset[str] = frozenset()
+#: Labs whose questions launch numba.cuda kernels in the CUDA simulator in the grader's process too (mutants).
+SIMULATOR_LABS = frozenset({"lab05"})
 INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: sudo apt-get install bubblewrap; Fedora: sudo dnf install"
                 " bubblewrap), or grade trusted submissions only with --no-sandbox")
 _LAB_CALL = re.compile(r"""\blab\(\s*["'](lab\d{2,})["']\s*\)""")
@@ -343,6 +348,11 @@ def _judge_outside(lab_id: str, seed: int, proc: subprocess.Popen, lines: _Lines
                 return word
 
     session = remote.Session(send, requests, work)
+    if lab_id in SIMULATOR_LABS:
+        try:
+            numba_cuda.use_simulator()
+        except RuntimeError:  # numba.cuda already runs on a GPU in this process: mutants cannot be launched here
+            pass
     lab = get_lab(lab_id)
     names = list(dict.fromkeys(n for q in lab.questions.values() for n in q.objects))
     session.deadline = end

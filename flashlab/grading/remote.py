@@ -193,7 +193,8 @@ def read_message(folder: str | os.PathLike, stem: str, cap: int = DEFAULT_CAP) -
 
 # --------------------------------------------------------------------------------- inside: serving the calls
 #: Functions a request may run inside the sandbox on a student's object (module:function); nothing else can be named.
-PROCEDURES = frozenset({"flashlab.grading.lab05:traced_launch", "flashlab.grading.lab05:launch_with_package_kernel"})
+PROCEDURES = frozenset({"flashlab.grading.lab05:traced_launch", "flashlab.grading.lab05:launch_with_package_kernel",
+                        "flashlab.grading.lab05:simulator_state"})
 
 
 def _where(e: BaseException) -> str:
