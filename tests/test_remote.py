@@ -182,3 +182,24 @@ def test_a_forged_reply_fails_that_call_only(tmp_path):
     s = remote.Session(send, requests, replies)
     with pytest.raises(remote.WireError, match="could not be read back"):
         remote.RemoteFunction(s, "f")(1)
+
+
+# ---------------------------------------------------------------------------------- memory, from outside
+PROBE_CELLS = [
+    "import numpy as np\nfrom flashlab.grading import lab\ncheck = lab('lab02')",
+    "demo = np.ones((3000, 3000))  # the notebook's own 72 MB demo must not count\ndel demo",
+    "def whole(n):\n    a = np.ones((n, n))\n    return float(a.sum())",
+    "def streamed(n):\n    return float(sum(np.ones(n).sum() for _ in range(n)))",
+    "check('q2', whole)",
+]
+
+
+def test_peak_memory_is_measured_in_a_fresh_process_from_outside(tmp_path):
+    from flashlab.grading import memprobe, sandbox
+
+    options = {"allow_unsandboxed": sandbox.sandbox_problem() is not None, "env": {"FLASHLAB_BATCH_GRADING": "1",
+               "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1])}}
+    whole, out = memprobe.measure(PROBE_CELLS, "whole", (1000,), folder=tmp_path, timeout=120, **options)
+    assert out == 1e6 and whole > 6e6  # an n x n float64 array is 8 MB
+    streamed, out = memprobe.measure(PROBE_CELLS, "streamed", (1000,), folder=tmp_path, timeout=120, **options)
+    assert out == 1e6 and streamed < 2e6

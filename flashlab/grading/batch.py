@@ -45,10 +45,13 @@ submission per line: ``{"path", "lab", "score", "max_score", "questions": [{"nam
 "feedback"}], "error", "notebook_error", "seed", "sandboxed"}``. ``--csv FILE`` writes one row per submission
 (student = file stem), one column per question, and the total. A summary (mean per question) ends the run.
 
-Known limits: peak memory (``Trial.memory``) is measured inside the sandbox, with tracemalloc around the call,
-so a determined student could fake their own memory parts, and so could they lab 05's race report (see above).
-:data:`JUDGED_INSIDE` lists labs graded entirely in the notebook's kernel (none today). The worker is
-inside the sandbox too, so the protocol lines it sends are untrusted like everything else from there.
+Memory parts (``Trial.memory``) are measured in fresh sandboxed processes from the kernel's accounting of peak
+resident memory (:mod:`flashlab.grading.memprobe`), not with tracemalloc inside the notebook's kernel.
+
+Known limits: the memory count and lab 05's race report are taken inside the sandbox (see memprobe and lab05),
+so a determined student could still tamper with their own; :data:`JUDGED_INSIDE` lists labs graded entirely in
+the notebook's kernel (none today). The worker is inside the sandbox too, so the protocol lines it sends are
+untrusted like everything else from there.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import numba_cuda
-from . import core, remote, sandbox
+from . import core, memprobe, remote, sandbox
 from .core import BATCH_ENV, available_labs, get_lab, new_seed
 from .remote import read_untrusted
 
@@ -241,12 +244,14 @@ def _grade(path: pathlib.Path, *, timeout: float, lab_id: str | None, seed: int,
         mode = "inside" if lab_id in JUDGED_INSIDE else "serve"
         cmd = [sys.executable, "-m", "flashlab.grading.batch", "--worker", copy.name, str(requests), lab_id,
                str(timeout), mode, str(seed) if mode == "inside" else "-"]
-        hidden = [ROOT, *(p for p in hide if _hideable(p))]
-        proc, isolated = sandbox.popen(cmd, workdir=work, hide=hidden, expose=[ROOT / "flashlab", requests],
-                                       gpu=_needs_gpu(lab_id), env=env, limits=SANDBOX_LIMITS,
-                                       allow_unsandboxed=not sandboxed, stdin=subprocess.PIPE)
+        options = {"hide": [ROOT, *(p for p in hide if _hideable(p))], "expose": [ROOT / "flashlab"],
+                   "gpu": _needs_gpu(lab_id), "env": env, "limits": SANDBOX_LIMITS, "allow_unsandboxed": not sandboxed}
+        proc, isolated = sandbox.popen(cmd, workdir=work, **{**options, "expose": [ROOT / "flashlab", requests]},
+                                       stdin=subprocess.PIPE)
+        cells = [_source(c) for c in nb["cells"] if isinstance(c, dict) and c.get("cell_type") == "code"]
+        probe = {"cells": cells, "folder": tmp, "options": options}
         try:
-            row = _judge(path, lab_id, seed, proc, work, requests, timeout)
+            row = _judge(path, lab_id, seed, proc, work, requests, timeout, probe)
         finally:
             sandbox.stop(proc)
         return {**row, "sandboxed": isolated}
@@ -278,8 +283,13 @@ class _Lines:
         return line[:LINE_CAP].decode("utf-8", "replace")
 
 
+def _source(cell: dict) -> str:
+    source = cell.get("source", "")
+    return "".join(map(str, source)) if isinstance(source, list) else str(source)
+
+
 def _judge(path: pathlib.Path, lab_id: str, seed: int, proc: subprocess.Popen, work: pathlib.Path,
-           requests: pathlib.Path, timeout: float) -> dict:
+           requests: pathlib.Path, timeout: float, probe: dict) -> dict:
     """Talk to the sandboxed worker: wait for the notebook to run, then judge every question here, outside."""
     start = time.monotonic()
     end = start + timeout
@@ -309,7 +319,7 @@ def _judge(path: pathlib.Path, lab_id: str, seed: int, proc: subprocess.Popen, w
         if questions is None:
             return _error_row(path, "the grader's result was malformed", lab_id)
     else:
-        questions = _judge_outside(lab_id, seed, proc, lines, work, requests, end, timeout)
+        questions = _judge_outside(lab_id, seed, proc, lines, work, requests, end, timeout, probe)
     for q in questions:
         if q["score"] < q["max_score"]:
             parts = [q["feedback"]] if q["feedback"] else []
@@ -330,7 +340,7 @@ def _judge(path: pathlib.Path, lab_id: str, seed: int, proc: subprocess.Popen, w
 
 
 def _judge_outside(lab_id: str, seed: int, proc: subprocess.Popen, lines: _Lines, work: pathlib.Path,
-                   requests: pathlib.Path, end: float, timeout: float) -> list[dict]:
+                   requests: pathlib.Path, end: float, timeout: float, probe: dict) -> list[dict]:
     """Every question run here, in the grader's process, on proxies of the notebook's objects."""
     def send(n: int, left: float) -> str:
         try:
@@ -348,6 +358,8 @@ def _judge_outside(lab_id: str, seed: int, proc: subprocess.Popen, lines: _Lines
                 return word
 
     session = remote.Session(send, requests, work)
+    session.measure_memory = memprobe.remote_peak(probe["cells"], probe["folder"], lambda: session.deadline,
+                                                  **probe["options"])
     if lab_id in SIMULATOR_LABS:
         try:
             numba_cuda.use_simulator()
