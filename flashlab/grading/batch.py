@@ -253,10 +253,23 @@ def _grade(path: pathlib.Path, *, timeout: float, lab_id: str | None, seed: int,
         try:
             row = _judge(path, lab_id, seed, proc, work, requests, timeout, probe)
         finally:
-            sandbox.stop(proc)
+            _finish(proc)
         return {**row, "sandboxed": isolated}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _finish(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """End the worker: first ask (it shuts its kernel down, which matters unsandboxed, where the kernel runs in a
+    session of its own), then kill what is left of the sandbox through our own handle."""
+    try:
+        proc.stdin.close()
+    except OSError:
+        pass
+    end = time.monotonic() + grace
+    while time.monotonic() < end and not sandbox._exited(proc.pid):
+        time.sleep(0.05)
+    sandbox.stop(proc)
 
 
 class _Lines:
