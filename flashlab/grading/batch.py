@@ -403,11 +403,11 @@ def _judge_outside(lab_id: str, seed: int, proc: subprocess.Popen, lines: _Lines
 
 
 def _hideable(p: pathlib.Path) -> bool:
-    """Hiding a folder that holds the interpreter or is the root would hide what the grader itself runs on."""
+    """Hiding a folder that holds the interpreter or the temporary folders (where each sandbox's copy lives), or
+    the root, would hide what the grader itself runs on; a temporary folder is private to each sandbox anyway."""
     p = pathlib.Path(os.path.realpath(p))
-    if p == pathlib.Path("/"):
-        return False
-    return not any(pathlib.Path(x) == p or p in pathlib.Path(x).parents for x in sandbox.python_paths())
+    needed = [*sandbox.python_paths(), os.path.realpath(tempfile.gettempdir())]
+    return p != pathlib.Path("/") and not any(pathlib.Path(x) == p or p in pathlib.Path(x).parents for x in needed)
 
 
 # ------------------------------------------------------------------------------------------------ the worker

@@ -83,6 +83,8 @@ MAX_ARRAYS = 20_000
 class WireError(ValueError):
     """A value cannot be sent, or a message read back is malformed."""
 
+    where = "while passing values between the grader and your notebook"  # shown instead of a grader's line
+
 
 def encode(obj: Any, arrays: dict[str, np.ndarray], depth: int = 0) -> Any:
     """The JSON structure of ``obj``; arrays it holds are added to ``arrays`` (name -> array)."""
@@ -253,6 +255,8 @@ class RemoteError(Exception):
 
 class KernelGone(Exception):
     """The notebook's kernel died or stopped answering; every later call fails with this."""
+
+    where = "did your code call exit(), crash the kernel or use all the memory?"
 
 
 class Opaque:
