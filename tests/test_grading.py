@@ -17,9 +17,12 @@ import nbformat
 import numpy as np
 import pytest
 
-from flashlab.grading import available_labs, batch, core, get_lab, lab, lab01, lab02, run_question
+from flashlab.grading import available_labs, batch, core, get_lab, lab, lab01, lab02, run_question, sandbox
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# CI installs bubblewrap, so there the batch tests grade in the sandbox; elsewhere they say why they could not.
+NO_SANDBOX = sandbox.sandbox_problem()
+SANDBOX_FLAGS = ["--no-sandbox"] if NO_SANDBOX else []
 
 
 # ----------------------------------------------------------------------------------- diagnoses, called directly
@@ -176,13 +179,62 @@ def _solution_code_cells() -> list:
     return [nbformat.v4.new_code_cell(c.source) for c in nb.cells if c.cell_type == "code" and "def " in c.source]
 
 
-def _submission(path: pathlib.Path, bad_source: str | None, lab_line: bool = True) -> pathlib.Path:
+SURVIVOR = "987654321"  # argument of a sleep a submission leaves behind; no process with it may outlive grading
+
+# A wrong online_update whose mistakes depend on the inputs drawn: its partial credit varies with the seed.
+FLAKY_SOURCE = """
+_right_update = online_update
+def online_update(*args, **kwargs):
+    out = _right_update(*args, **kwargs)
+    total = 0.0
+    for a in args:
+        try:
+            total += float(np.sum(np.nan_to_num(np.asarray(a, dtype=float), posinf=0.0, neginf=0.0)))
+        except (TypeError, ValueError):
+            pass
+    return out if total > 0 else tuple(np.asarray(x, dtype=float) + 1.0 for x in out)
+"""
+
+# Cheats that worked while the questions ran in the notebook's own kernel, each with a wrong online_update.
+WRONG_SOURCE = """
+def online_update(m, l, u, scores, values):
+    return (0.0, 0.0, 0.0)
+"""
+PATCH_GRADER_SOURCE = """
+import flashlab.grading.core as _core
+_core.run_question = lambda lab_id, name, objects, **kw: _core.Result(name, 99.0, 5.0, "patched", 0)
+_core.allclose = lambda *a, **k: True
+""" + WRONG_SOURCE
+# Returns the expected value it finds in a caller's frame, which holds it when the check runs in this process.
+STACK_WALK_SOURCE = """
+import inspect
+def online_update(m, l, u, scores, values):
+    for info in inspect.stack():
+        expected = info.frame.f_locals.get("expected")
+        if isinstance(expected, tuple) and len(expected) == 3:
+            return expected
+    return (0.0, 0.0, 0.0)
+"""
+# Hands in the course's own answer; in the sandbox the package copy has no body for it, only a raise naming it.
+COURSE_ANSWER_SOURCE = """
+from flashlab import online as _online
+def online_update(m, l, u, scores, values):
+    state = _online.State(np.float64(m), np.float64(l), np.asarray(u, dtype=float))
+    return tuple(_online.update(state, np.asarray(scores, float), np.asarray(values, float)))
+"""
+
+
+def _submission(path: pathlib.Path, bad_source: str | None, lab_line: bool = True, after: str | None = None
+                ) -> pathlib.Path:
     nb = nbformat.v4.new_notebook()
     head = "import numpy as np\n" + ('from flashlab.grading import lab; check = lab("lab01")' if lab_line else "")
     cells = [nbformat.v4.new_code_cell(head)]
     if bad_source:
         cells.append(nbformat.v4.new_code_cell(bad_source))
-    nb.cells = cells + _solution_code_cells() + [nbformat.v4.new_code_cell('check("q1", online_update)')]
+    cells += _solution_code_cells()
+    if after:
+        cells.append(nbformat.v4.new_code_cell(after))
+    nb.cells = cells + [nbformat.v4.new_code_cell('check("q1", online_update)')]
     nbformat.write(nb, path)
     return path
 
@@ -190,13 +242,12 @@ def _submission(path: pathlib.Path, bad_source: str | None, lab_line: bool = Tru
 @pytest.fixture(scope="module")
 def bad_batch(tmp_path_factory):
     d = tmp_path_factory.mktemp("submissions")
-    pid_file = d.parent / f"{d.name}-hard-hang.pid"
     subs = {
         "raises": _submission(d / "raises.ipynb", 'raise RuntimeError("boom")'),
         "hangs": _submission(d / "hangs.ipynb", "while True:\n    pass"),
         "hangs_hard": _submission(
             d / "hangs_hard.ipynb",
-            f"import os, signal\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+            f"import signal, subprocess\nsubprocess.Popen(['sleep', {SURVIVOR!r}])\n"
             "signal.signal(signal.SIGINT, signal.SIG_IGN)  # ignores the interrupt: only a kill stops it\n"
             "while True:\n    pass",
         ),
@@ -204,6 +255,13 @@ def bad_batch(tmp_path_factory):
         "deletes": _submission(d / "deletes.ipynb", 'import os\nfor f in os.listdir("."):\n    os.remove(f)'),
         "nolab": _submission(d / "nolab.ipynb", None, lab_line=False),
         "exits": _submission(d / "exits.ipynb", "import os\nos._exit(3)  # kills its own kernel"),
+        # The import fails; a later cell then fails with a NameError that is only its consequence.
+        "noimport": _submission(d / "noimport.ipynb", "import flashlab_no_such_module",
+                                after="del online_update\nonline_update = flashlab_no_such_module.update"),
+        "wrong": _submission(d / "wrong.ipynb", None, after=WRONG_SOURCE),
+        "patches_grader": _submission(d / "patches_grader.ipynb", None, after=PATCH_GRADER_SOURCE),
+        "walks_stack": _submission(d / "walks_stack.ipynb", None, after=STACK_WALK_SOURCE),
+        "course_answer": _submission(d / "course_answer.ipynb", None, after=COURSE_ANSWER_SOURCE),
     }
     (d / "garbage.ipynb").write_text("this is not a notebook {")
     subs["garbage"] = d / "garbage.ipynb"
@@ -213,11 +271,10 @@ def bad_batch(tmp_path_factory):
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         rc = batch.main([str(d), str(d / "missing.ipynb"), "--json", "--csv", str(csv_path), "--timeout", "25",
-                         "--jobs", "2"])
+                         "--jobs", "2", "--seed", "11", *SANDBOX_FLAGS])
     rows = {pathlib.Path(r["path"]).stem: r for r in map(json.loads, buf.getvalue().splitlines())}
     after = {k: hashlib.sha256(p.read_bytes()).hexdigest() for k, p in subs.items()}
-    return {"rc": rc, "rows": rows, "before": before, "after": after, "dir": d, "csv": csv_path,
-            "pid_file": pid_file}
+    return {"rc": rc, "rows": rows, "before": before, "after": after, "dir": d, "csv": csv_path}
 
 
 def test_batch_survives_a_raising_cell(bad_batch):
@@ -230,13 +287,63 @@ def test_batch_interrupts_an_endless_cell_and_still_grades(bad_batch):
     assert r["error"] is None and r["score"] == r["max_score"], r
 
 
+def _survivors() -> list[int]:
+    found = []
+    for status in pathlib.Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = status.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[:2] == [b"sleep", SURVIVOR.encode()]:
+            found.append(int(status.parent.name))
+    return found
+
+
 def test_batch_kills_a_submission_that_ignores_interrupts(bad_batch):
     r = bad_batch["rows"]["hangs_hard"]
     assert r["score"] == 0 and "timed out after 25 s" in r["error"]
-    pid = int(bad_batch["pid_file"].read_text())
-    status = pathlib.Path(f"/proc/{pid}/status")
-    if status.exists():  # a zombie waiting for its reaper is dead too
-        assert "zombie" in status.read_text().lower(), f"kernel {pid} is still running"
+    if NO_SANDBOX:
+        pytest.skip(f"unsandboxed, processes a submission starts may outlive it: {NO_SANDBOX}")
+    assert _survivors() == [], "a process the submission started outlived grading"
+
+
+def test_rows_say_sandboxed_and_carry_the_seed(bad_batch):
+    for name, r in bad_batch["rows"].items():
+        assert r["seed"] == 11, name
+        assert r["sandboxed"] is (NO_SANDBOX is None), name
+
+
+def test_patching_the_grader_inside_the_notebook_changes_nothing(bad_batch):
+    r, honest = bad_batch["rows"]["patches_grader"], bad_batch["rows"]["wrong"]
+    assert r["error"] is None and r["questions"][0]["score"] == 0 and "patched" not in r["questions"][0]["feedback"]
+    assert [q["score"] for q in r["questions"]] == [q["score"] for q in honest["questions"]]
+    assert honest["score"] < honest["max_score"]
+
+
+def test_the_notebook_cannot_see_expected_values(bad_batch):
+    namespace: dict = {"np": np}
+    exec(STACK_WALK_SOURCE, namespace)
+    assert run_question("lab01", "q1", [namespace["online_update"]]).score > 0  # in one process, the cheat works
+    r = bad_batch["rows"]["walks_stack"]
+    assert r["error"] is None and r["questions"][0]["score"] == 0
+
+
+def test_the_course_answer_scores_zero_and_is_named(bad_batch):
+    r = bad_batch["rows"]["course_answer"]
+    q1 = r["questions"][0]
+    assert r["error"] is None and q1["name"] == "q1" and q1["score"] == 0
+    assert "calls flashlab.online.update" in q1["feedback"]
+    assert r["questions"][1]["score"] == r["questions"][1]["max_score"]  # its other answers are its own
+
+
+def test_feedback_shows_the_notebooks_first_error(bad_batch):
+    r = bad_batch["rows"]["noimport"]
+    assert r["error"] is None and r["score"] < r["max_score"]
+    assert r["notebook_error"] == "cell 2 raised ModuleNotFoundError: No module named 'flashlab_no_such_module'"
+    q1 = r["questions"][0]
+    assert q1["score"] == 0 and "cell 2 raised ModuleNotFoundError" in q1["feedback"]
+    assert "NameError" not in q1["feedback"]
+    assert bad_batch["rows"]["raises"]["notebook_error"] == "cell 2 raised RuntimeError: boom"
 
 
 def test_batch_survives_megabytes_of_output(bad_batch):
@@ -270,7 +377,7 @@ def test_error_rows_for_unknown_lab_unreadable_and_missing(bad_batch):
 
 def test_batch_csv_and_json_formats(bad_batch):
     rows = bad_batch["rows"]
-    assert len(rows) == 9
+    assert len(rows) == len(list(bad_batch["dir"].glob("*.ipynb"))) + 1  # every notebook, and the missing one
     for r in rows.values():
         assert {"path", "score", "max_score", "questions"} <= set(r)
     graded = rows["raises"]
@@ -294,3 +401,29 @@ def test_cli_entry_points(tmp_path):
     out = subprocess.run([sys.executable, "-m", "flashlab", "grade", "--timeout", "0", "x.ipynb"], cwd=ROOT,
                          capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 2 and "--timeout" in out.stderr
+
+
+def test_a_seed_reproduces_scores_and_feedback_tells_how_to_replay(tmp_path):
+    sub = _submission(tmp_path / "lab01_flaky.ipynb", None, after=FLAKY_SOURCE)
+    first, again, other = (batch.grade_one(sub, timeout=120, seed=s, sandboxed=NO_SANDBOX is None)
+                           for s in (7, 7, 8))
+    assert first["error"] is None and first["questions"] == again["questions"]
+    assert first["questions"] != other["questions"]  # other inputs: other failing cases shown
+    q1 = first["questions"][0]
+    assert 0 < q1["score"] < q1["max_score"], q1
+    q_seed = batch.question_seed(7, "q1")
+    assert f"replay: check('q1', ..., seed={q_seed})" in q1["feedback"]
+    # The replay, in the student's own process, gives the same score.
+    namespace = {"np": np}
+    for cell in _solution_code_cells():
+        exec(cell.source, namespace)
+    exec(FLAKY_SOURCE, namespace)
+    replayed = run_question("lab01", "q1", [namespace["online_update"]], seed=q_seed)
+    assert replayed.score == q1["score"] and replayed.feedback in q1["feedback"]
+
+
+def test_grading_refuses_without_a_sandbox_unless_told(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sandbox, "sandbox_problem", lambda bwrap=None: "bwrap not found (test)")
+    assert batch.main([str(tmp_path / "x.ipynb")]) == 2
+    err = capsys.readouterr().err
+    assert "bwrap not found (test)" in err and "apt-get install bubblewrap" in err and "--no-sandbox" in err

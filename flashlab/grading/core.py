@@ -338,10 +338,14 @@ class Trial:
     ) -> bool:
         """Peak memory (tracemalloc) of ``fn(*args)`` must stay under ``limit_bytes``.
 
-        With ``reference``, the output must also be right: a wrong answer does not earn memory points.
+        With ``reference``, the output must also be right: a wrong answer does not earn memory points. A function
+        that runs elsewhere (the batch grader's proxies) measures its own peak: ``fn.peak_memory(*args)``.
         """
         try:
-            peak, out = peak_memory(self.call, fn, *_copy(args))
+            if hasattr(fn, "peak_memory"):
+                peak, out = self.call(fn.peak_memory, *_copy(args))
+            else:
+                peak, out = peak_memory(self.call, fn, *_copy(args))
         except (NotImplementedYet, QuestionTimeout):
             raise
         except Exception as e:
@@ -413,7 +417,9 @@ class Trial:
         if isinstance(got, BaseException):
             lines.append(f"  your code raised {_describe_error(got)}")
             tb = traceback.extract_tb(got.__traceback__)
-            if tb:
+            if getattr(got, "where", ""):  # raised in another process: where it was raised there
+                lines.append(f"  ({got.where})")
+            elif tb:
                 frame = tb[-1]
                 lines.append(f"  (at line {frame.lineno}: {frame.line})")
             return "\n".join(lines)
@@ -501,7 +507,10 @@ def run_question(
                 result = Result(name, round(float(points), 3), question.points, str(feedback), seed)
             else:
                 result = trial.result(name, question.points)  # diagnoses run here: mutants may divide by zero too
-    except answers.AnswerCalled:  # the verdict below names the function
+    except answers.AnswerCalled as e:  # the verdict below names the function
+        calls = getattr(trial.guard, "calls", None)
+        if calls is not None and e.name not in calls:  # raised in a sandbox by its package copy: record it here
+            calls.append(e.name)
         result = Result(name, 0.0, question.points, "", seed)
     except NotImplementedYet:
         msg = "not implemented yet (your function still raises NotImplementedError)"

@@ -26,6 +26,7 @@ import numpy as np
 from .. import numba_cuda, racetrace, reference
 from .core import Case, Lab, Mutant, Trial, allclose
 from .known import Demo, HandWritten, KnownMistakes, OtherDiagnosis, demo_qkv, solution_variant
+from .remote import remote_exception
 
 LAB = Lab("lab05", "A FlashAttention kernel in numba.cuda")
 
@@ -72,31 +73,25 @@ def _zero_padded_ref(case: Case):
 @LAB.question("q1", points=6, objects=("make_kernel",))
 def q1(t: Trial, make_kernel):
     """make_kernel's kernel stages K/V tiles in shared memory, synchronises, and updates each row's state."""
-    if not numba_cuda.simulator_active():
+    if not (make_kernel.procedure("flashlab.grading.lab05:simulator_state") if hasattr(make_kernel, "procedure")
+            else numba_cuda.simulator_active()):
         return 0.0, _NEEDS_SIMULATOR
     info: dict[str, dict] = {}
 
     def run(factory, case: Case):
         Q, K, V, bq, bk = case.args
         record = info.setdefault(case.label, {})
-        kernel = factory(bq, bk, Q.shape[2], V.shape[2])
-        with racetrace.trace_shared_memory() as trace:
-            try:
-                return numba_cuda.launch(kernel, Q, K, V, block_q=bq)
-            except IndexError as e:
-                if trace.out_of_bounds:
-                    name, index, shape = trace.out_of_bounds[0]
-                    record["small_tile"] = True
-                    raise IndexError(f"shared tile too small: an array of shape {shape} was indexed at {list(index)}; "
-                                     "the K tile needs (BLOCK_K, D), the V tile (BLOCK_K, DV)") from None
-                if K.shape[1] % bk:
-                    record["overrun"] = True
-                    raise IndexError(f"read past the end of K or V on the last ragged tile (m={K.shape[1]}, "
-                                     f"BLOCK_K={bk}): only rows k0 + j < m exist; guard the load ({e})") from None
-                raise
-            finally:
-                record.update(races=list(trace.races), shapes=dict(trace.shapes), dtypes=dict(trace.dtypes),
-                              barriers=trace.barriers, ragged=K.shape[1] % bk != 0)
+        if not hasattr(factory, "procedure"):
+            return _traced(factory, Q, K, V, bq, bk, record)
+        # The batch grader's proxy: launch and trace where the notebook runs.
+        O, L, remote_record = factory.procedure("flashlab.grading.lab05:traced_launch", Q, K, V, bq, bk)
+        if not isinstance(remote_record, dict):
+            raise TypeError("the traced launch returned no record")
+        record.update(remote_record)
+        error = record.get("error")
+        if error:
+            raise remote_exception(str(error[0]), str(error[1]))
+        return O, L
 
     def raced(case, got, expected):
         return bool(info.get(case.label, {}).get("races"))
@@ -190,6 +185,62 @@ def q1(t: Trial, make_kernel):
     return None
 
 
+# ---------------------------------------------------------------------- what runs where the notebook runs
+def simulator_state(_obj) -> bool:
+    """Whether the notebook's process runs numba.cuda in the simulator (a remote procedure of the batch grader)."""
+    return numba_cuda.simulator_active()
+
+
+def _traced(factory: Callable, Q, K, V, bq: int, bk: int, record: dict):
+    """Build the student's kernel with ``factory(bq, bk, D, DV)`` and launch it on (Q, K, V) inside a shared-memory
+    trace; ``record`` receives what the trace saw (races, tile shapes and dtypes, barriers)."""
+    kernel = factory(bq, bk, Q.shape[2], V.shape[2])
+    with racetrace.trace_shared_memory() as trace:
+        try:
+            return numba_cuda.launch(kernel, Q, K, V, block_q=bq)
+        except IndexError as e:
+            if trace.out_of_bounds:
+                name, index, shape = trace.out_of_bounds[0]
+                record["small_tile"] = True
+                raise IndexError(f"shared tile too small: an array of shape {shape} was indexed at {list(index)}; "
+                                 "the K tile needs (BLOCK_K, D), the V tile (BLOCK_K, DV)") from None
+            if K.shape[1] % bk:
+                record["overrun"] = True
+                raise IndexError(f"read past the end of K or V on the last ragged tile (m={K.shape[1]}, "
+                                 f"BLOCK_K={bk}): only rows k0 + j < m exist; guard the load ({e})") from None
+            raise
+        finally:
+            record.update(races=list(trace.races), shapes=dict(trace.shapes), dtypes=dict(trace.dtypes),
+                          barriers=trace.barriers, ragged=K.shape[1] % bk != 0)
+
+
+def traced_launch(factory: Callable, Q, K, V, bq: int, bk: int) -> tuple:
+    """``(O, L, record)`` of one traced launch of the student's kernel (O and L None and ``record["error"]`` =
+    (type name, message) if it raised), in plain values that can be sent back.
+
+    The batch grader runs this inside the sandbox, where the student's kernel lives (a remote procedure): lab 05's
+    race report and tile shapes are therefore measured inside the submission's process; its outputs are still
+    judged outside.
+    """
+    record: dict = {}
+    O = L = None
+    try:
+        O, L = _traced(factory, Q, K, V, bq, bk, record)
+    except Exception as e:  # the student's kernel may raise anything
+        record["error"] = [type(e).__name__, str(e)[:1000]]
+    record.update(races=[str(r) for r in record.get("races", [])],
+                  shapes={str(k): [int(x) for x in v] for k, v in record.get("shapes", {}).items()},
+                  dtypes={str(k): str(v) for k, v in record.get("dtypes", {}).items()},
+                  barriers=int(record.get("barriers", 0)), ragged=bool(record.get("ragged", False)))
+    return O, L, record
+
+
+def launch_with_package_kernel(run_kernel: Callable, Q, K, V, bq: int, bk: int):
+    """``run_kernel(kernel, Q, K, V, bq)`` with the package's kernel for these shapes (a remote procedure)."""
+    kernel = numba_cuda.make_cuda_kernel(bq, bk, Q.shape[2], V.shape[2], "float64")
+    return run_kernel(kernel, Q, K, V, bq)
+
+
 # ------------------------------------------------------------------------------------------ q2: the launch
 def _launch_with(grid_fn, threads_fn=lambda bq: bq, scale_fn=lambda d: 1.0 / math.sqrt(d)):
     def run_kernel(kernel, Q, K, V, BLOCK_Q):
@@ -222,9 +273,10 @@ def q2(t: Trial, run_kernel):
 
     def run(fn, case: Case):
         Q, K, V, bq, bk = case.args
-        kernel = numba_cuda.make_cuda_kernel(bq, bk, Q.shape[2], V.shape[2], "float64")
         try:
-            return fn(kernel, Q, K, V, bq)
+            if hasattr(fn, "procedure"):  # the batch grader's proxy: the package's kernel is built where it runs
+                return fn.procedure("flashlab.grading.lab05:launch_with_package_kernel", Q, K, V, bq, bk)
+            return launch_with_package_kernel(fn, Q, K, V, bq, bk)
         except IndexError as e:
             raise IndexError(f"a thread block indexed outside Q, K or V: is the grid (query blocks, batch), "
                              f"with blockIdx.x walking the queries? ({e})") from None

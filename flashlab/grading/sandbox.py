@@ -330,17 +330,14 @@ def _kill_group(proc: subprocess.Popen) -> None:
             pass
 
 
-def run(argv: Sequence[str], *, workdir: str | os.PathLike, timeout: float, hide: Iterable[str | os.PathLike] = (),
-        expose: Iterable[str | os.PathLike] = (), gpu: bool = False, limits: Limits = Limits(),
-        env: Mapping[str, str] | None = None, allow_unsandboxed: bool = False) -> Completed:
-    """Run ``argv`` in a sandbox (see :func:`sandboxed_command`) with stdin empty; wait at most ``timeout`` s.
+def popen(argv: Sequence[str], *, workdir: str | os.PathLike, hide: Iterable[str | os.PathLike] = (),
+          expose: Iterable[str | os.PathLike] = (), gpu: bool = False, limits: Limits = Limits(),
+          env: Mapping[str, str] | None = None, allow_unsandboxed: bool = False,
+          stdin: int = subprocess.DEVNULL) -> tuple[subprocess.Popen, bool]:
+    """Start ``argv`` as :func:`run` does, without waiting: ``(process, sandboxed)``; stdout and stderr are pipes.
 
-    stdout and stderr are read as they come, ``limits.output`` bytes in all; past that the run is killed and
-    ``truncated`` is set. At the timeout the run is killed (the whole sandbox: every process in it) and
-    ``timed_out`` is set. Under root, ``workdir`` and its contents are handed to the scratch uid first.
-    Without a usable bwrap, raises :class:`SandboxUnavailable`, unless ``allow_unsandboxed``: then the command
-    runs with the same limits, no isolation (``sandboxed=False``): it can write anywhere the caller can,
-    daemons it starts outlive the run, and under root the process limit does not apply.
+    For callers that talk to the command (``stdin=subprocess.PIPE``). The caller must read the pipes, keep the
+    calling thread alive until the command ends (``--die-with-parent``), and end it with :func:`stop`.
     """
     workdir = pathlib.Path(os.path.realpath(workdir))
     if not workdir.is_dir():
@@ -359,9 +356,32 @@ def run(argv: Sequence[str], *, workdir: str | os.PathLike, timeout: float, hide
     else:
         raise SandboxUnavailable(f"{problem}; pass allow_unsandboxed=True to run without isolation")
 
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=workdir, env=popen_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=workdir, env=popen_env, stdin=stdin, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
+    return proc, problem is None
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Kill a process from :func:`popen` and everything it started (sandboxed: every process inside), and reap it."""
+    _kill_group(proc)  # sandboxed: the sandbox's leader, whose death ends every process inside
+    proc.wait()
+
+
+def run(argv: Sequence[str], *, workdir: str | os.PathLike, timeout: float, hide: Iterable[str | os.PathLike] = (),
+        expose: Iterable[str | os.PathLike] = (), gpu: bool = False, limits: Limits = Limits(),
+        env: Mapping[str, str] | None = None, allow_unsandboxed: bool = False) -> Completed:
+    """Run ``argv`` in a sandbox (see :func:`sandboxed_command`) with stdin empty; wait at most ``timeout`` s.
+
+    stdout and stderr are read as they come, ``limits.output`` bytes in all; past that the run is killed and
+    ``truncated`` is set. At the timeout the run is killed (the whole sandbox: every process in it) and
+    ``timed_out`` is set. Under root, ``workdir`` and its contents are handed to the scratch uid first.
+    Without a usable bwrap, raises :class:`SandboxUnavailable`, unless ``allow_unsandboxed``: then the command
+    runs with the same limits, no isolation (``sandboxed=False``): it can write anywhere the caller can,
+    daemons it starts outlive the run, and under root the process limit does not apply.
+    """
+    start = time.monotonic()
+    proc, sandboxed = popen(argv, workdir=workdir, hide=hide, expose=expose, gpu=gpu, limits=limits, env=env,
+                            allow_unsandboxed=allow_unsandboxed)
     out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
     chunks: dict[int, list[bytes]] = {out_fd: [], err_fd: []}
     cap = limits.output
@@ -391,8 +411,7 @@ def run(argv: Sequence[str], *, workdir: str | os.PathLike, timeout: float, hide
                 kept += len(data)
             if truncated:
                 break
-    _kill_group(proc)  # sandboxed: the sandbox's leader, whose death ends every process inside
-    proc.wait()
+    stop(proc)
     proc.stdout.close()
     proc.stderr.close()
     return Completed(
@@ -401,6 +420,6 @@ def run(argv: Sequence[str], *, workdir: str | os.PathLike, timeout: float, hide
         stderr=b"".join(chunks[err_fd]),
         timed_out=timed_out,
         truncated=truncated,
-        sandboxed=problem is None,
+        sandboxed=sandboxed,
         seconds=time.monotonic() - start,
     )
