@@ -15,7 +15,6 @@ import os
 import re
 
 import pytest
-
 from redteam import attacks as A
 from redteam import harness as H
 
@@ -33,18 +32,18 @@ def _sandbox_problem() -> str | None:
     return sandbox.sandbox_problem()
 
 
-PROBLEM = _sandbox_problem()
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> H.ClassRun:
-    if PROBLEM is not None:
-        pytest.skip(f"no usable sandbox here: {PROBLEM}")
+    problem = _sandbox_problem()
+    if problem is not None:
+        pytest.skip(f"no usable sandbox here: {problem}")
     return H.run_class(tmp_path_factory.mktemp("redteam"), OPTIONS)
 
 
 def _graded(run: H.ClassRun) -> H.Graded:
+    """The class run, which must have graded something: a grader that refused to start proves nothing."""
     assert run.graded is not None, run.error
+    assert run.graded.returncode == 0 and run.graded.rows, f"the grader did not grade: {run.graded.stderr[-2000:]}"
     return run.graded
 
 
@@ -60,10 +59,12 @@ def test_the_run_completes_with_a_row_for_every_submission(run):
 
 
 def test_no_submission_is_changed(run):
+    _graded(run)
     assert not run.changed_submissions, f"changed in the class folder: {run.changed_submissions}"
 
 
 def test_nothing_outside_the_sandbox_changes(run):
+    _graded(run)
     assert not run.changed_outside, f"changed outside the sandbox: {run.changed_outside}"
 
 

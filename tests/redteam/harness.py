@@ -189,7 +189,7 @@ class ClassRun:
     alone: Graded  # the honest, wrong and broken submissions graded without the others
     graded: Graded | None  # the whole class in one run; None when the run itself did not finish
     error: str  # why ``graded`` is None
-    changed_submissions: list[str] = field(default_factory=list)  # in the class folder: changed, added, removed
+    changed_submissions: list[str] = field(default_factory=list)  # notebooks of the class folder
     changed_outside: list[str] = field(default_factory=list)  # sentinel folder and repository files
     decoy_alive: bool = True
     leftovers: dict[int, str] = field(default_factory=dict)
@@ -203,6 +203,11 @@ def _diff(before: dict[str, str], after: dict[str, str]) -> list[str]:
     out = [f"{p} (added)" for p in sorted(set(after) - set(before))]
     out += [f"{p} (removed)" for p in sorted(set(before) - set(after))]
     return out + [p for p in sorted(set(before) & set(after)) if before[p] != after[p]]
+
+
+def _notebooks(files: dict[str, str]) -> dict[str, str]:
+    # the grader may write its reports beside the submissions; only notebooks count as submissions
+    return {p: h for p, h in files.items() if p.endswith(".ipynb")}
 
 
 def run_class(base: pathlib.Path, options: list[str], *, timeout: float = 1800.0, settle: float = 8.0) -> ClassRun:
@@ -230,7 +235,7 @@ def run_class(base: pathlib.Path, options: list[str], *, timeout: float = 1800.0
         benign = [a for a in A.ATTACKS if a.kind in ("honest", "wrong", "broken")]
         A.write_class(base / "alone", ctx, benign)
         alone = grade(base / "alone", options, cwd=base, timeout=timeout)
-        before_class, before_outside = snapshot(ctx.folder), snapshot(outside)
+        before_class, before_outside = _notebooks(snapshot(ctx.folder)), snapshot(outside)
         graded, error = None, ""
         try:
             graded = grade(ctx.folder, options, cwd=base, timeout=timeout)
@@ -240,7 +245,7 @@ def run_class(base: pathlib.Path, options: list[str], *, timeout: float = 1800.0
         run = ClassRun(ctx, files, alone, graded, error)
         run.leftovers = processes_with(marker, skip={decoy.pid})
         run.decoy_alive = decoy.poll() is None
-        run.changed_submissions = _diff(before_class, snapshot(ctx.folder))
+        run.changed_submissions = _diff(before_class, _notebooks(snapshot(ctx.folder)))
         run.changed_outside = [f"outside/{p}" for p in _diff(before_outside, snapshot(outside))]
         run.changed_outside += changed_files(repo)
         run.connections = listener.connections
