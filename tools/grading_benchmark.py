@@ -59,10 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         build(folder, args.n, args.lab)
         print(f"{args.n} notebooks of {args.lab}, --jobs {args.jobs}", flush=True)
         runs: dict[str, H.Graded] = {}
-        modes = {"sandboxed": []}
         if "--no-sandbox" in helptext:
-            modes["--no-sandbox"] = ["--no-sandbox"]
+            modes = {"sandboxed": [], "--no-sandbox": ["--no-sandbox"]}
         else:
+            modes = {"default": []}
             print("this grader has no --no-sandbox option: only its default run is timed (no ratio)", flush=True)
         for mode, extra in modes.items():
             runs[mode] = graded = H.grade(folder, options + extra, cwd=pathlib.Path(tmp), timeout=args.n * 600)

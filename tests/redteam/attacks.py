@@ -539,6 +539,31 @@ def network(ctx: Context) -> dict:
     return _with_cells("solution", "network", ctx, src)
 
 
+def symlink_trap(ctx: Context) -> dict:
+    """Turns every file in reach (and the names a grader's result files are likely to have) into symlinks to the
+    sentinel and FIFOs: a grader that follows links writes outside, one that opens a FIFO blocking hangs."""
+    src = f"""
+        import glob, os
+        _names = ["result.json", "results.json", "out.json", "output.json", "outputs.json", "outputs.npz",
+                  "inputs.npz", "expected.npz", "feedback.txt", "kernel.pid", "out/result.json"]
+        _mine = set(glob.glob("*.ipynb"))
+        _found = [p for p in glob.glob("*") + glob.glob("*/*") + glob.glob("../*")
+                  if os.path.isfile(p) and not os.path.islink(p) and p not in _mine]
+        for _i, _p in enumerate(sorted(set(_found + _names))):
+            try:
+                os.makedirs(os.path.dirname(_p) or ".", exist_ok=True)
+                if os.path.lexists(_p):
+                    os.remove(_p)
+                if _i % 2:
+                    os.mkfifo(_p)
+                else:
+                    os.symlink({str(ctx.sentinel)!r}, _p)
+            except OSError as e:
+                print("blocked:", e)
+    """
+    return _with_cells("solution", "symlink_trap", ctx, src)
+
+
 ALL = "q1", "q2", "q3"
 ATTACKS: list[Attack] = [
     # the vandals first: today the submissions graded after them are their victims
@@ -548,6 +573,7 @@ ATTACKS: list[Attack] = [
     Attack("pidfile", "hostile", "writes the decoy's pid into every *.pid in reach", pidfile),
     Attack("edit_sibling", "hostile", "overwrites another submission's notebook", edit_sibling),
     Attack("write_outside", "hostile", "writes a sentinel file and plants files outside its folder", write_outside),
+    Attack("symlink_trap", "hostile", "replaces files in reach by symlinks to the sentinel and FIFOs", symlink_trap),
     Attack("kill_decoy", "hostile", "SIGKILLs the decoy process (and its group)", kill_decoy),
     Attack("kill_all", "hostile", "os.kill(-1, SIGKILL) (only when isolated)", kill_all),
     Attack("fork_bomb", "hostile", "forks until refused, children sleep (only when isolated)", fork_bomb),
