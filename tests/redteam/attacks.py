@@ -564,7 +564,7 @@ def symlink_trap(ctx: Context) -> dict:
     return _with_cells("solution", "symlink_trap", ctx, src)
 
 
-ALL = "q1", "q2", "q3"
+ALL = QUESTIONS
 ATTACKS: list[Attack] = [
     # the vandals first: today the submissions graded after them are their victims
     Attack("patch_installed_grader", "hostile", "appends run_question -> full marks to the installed core.py",
