@@ -48,7 +48,7 @@ release: setup
 	$(BIN)/python -m flashlab release
 
 grade: setup
-	$(BIN)/python -m flashlab grade $(or $(SUBMISSIONS),submissions/) --csv grades.csv
+	$(BIN)/python -m flashlab grade $(or $(SUBMISSIONS),submissions/) --out gradebook/
 
 # Recorded results: one target per kind, each with the arguments that made the files in data/ (the "command" in
 # their provenance). data/README.md lists every file, what reads it and the target that regenerates it.
