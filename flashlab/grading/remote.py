@@ -372,6 +372,8 @@ class RemoteFunction:
     """Stands on the host for the notebook's function ``name``: calling it runs the student's function inside
     the sandbox on the (sent) arguments and returns its (received) outputs."""
 
+    runs_in_sandbox = True  # the host runs none of the student's code (answers.Guard stays unarmed)
+
     def __init__(self, session: Session, name: str) -> None:
         self.session, self.__name__ = session, name
 
