@@ -193,7 +193,7 @@ import flashlab
 from flashlab.grading import answers
 lab_id, originals = sys.argv[1], json.loads(sys.argv[2])
 out = {"file": flashlab.__file__, "raised": {}, "bodies_left": []}
-for name in answers.answers_of(lab_id):
+for name in answers.sandbox_answers(lab_id):
     fn = answers.resolve(name)
     params = inspect.signature(fn).parameters.values()
     args = [None for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -228,14 +228,14 @@ def _body_lines(name: str) -> list[str]:
 def test_the_student_copy_has_no_answer_body(tmp_path, lab_id):
     package = answers.student_package(tmp_path, lab_id)
     assert package == tmp_path / "flashlab" and (package / "__init__.py").is_file()
-    originals = {name: _body_lines(name) for name in answers.answers_of(lab_id)}
+    originals = {name: _body_lines(name) for name in answers.sandbox_answers(lab_id)}
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", _COPY_CHECK, lab_id, json.dumps(originals)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["file"] == str(package / "__init__.py")
-    assert out["raised"] == {name: name for name in answers.answers_of(lab_id)}
+    assert out["raised"] == {name: name for name in answers.sandbox_answers(lab_id)}
     assert out["bodies_left"] == []
     assert out["helpers"] == [2.0, 0.0, 3]
     assert all(originals.values())  # each answer had body lines to look for

@@ -76,6 +76,13 @@ def answers_of(lab_id: str, question: str | None = None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(name for names in table.values() for name in names))
 
 
+def sandbox_answers(lab_id: str) -> tuple[str, ...]:
+    """The answers :func:`student_package` removes: all of the lab's, but those its module lists in
+    ``SANDBOX_KEEP`` (an answer of one question that another question's task or its grading needs)."""
+    keep = set(getattr(importlib.import_module(f"{PACKAGE}.grading.{lab_id}"), "SANDBOX_KEEP", ()))
+    return tuple(name for name in answers_of(lab_id) if name not in keep)
+
+
 def resolve(name: str) -> types.FunctionType | None:
     """The Python function behind a dotted name (under a cache decorator, the cached function itself).
 
@@ -279,7 +286,7 @@ def student_package(dest: pathlib.Path | str, lab_id: str) -> pathlib.Path:
         raise FileExistsError(f"{out} exists; student_package writes a fresh copy")
     shutil.copytree(PACKAGE_DIR, out, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     by_module: dict[str, dict[str, str]] = {}
-    for name in answers_of(lab_id):
+    for name in sandbox_answers(lab_id):
         module_name, _, attr = name.rpartition(".")
         by_module.setdefault(module_name, {})[attr] = name
     for module_name, targets in by_module.items():

@@ -38,6 +38,10 @@ ANSWERS = {
     "q1": ("flashlab.numba_cuda.make_cuda_kernel", "flashlab.numba_cuda.cuda_forward", *_CPU),
     "q2": ("flashlab.numba_cuda.launch", "flashlab.numba_cuda.cuda_forward", *_CPU),
 }
+# Each is the answer of one question and a helper of the other (q1's kernel is launched with launch; q2 builds
+# its kernel with make_cuda_kernel), and the traced launch that grades q1 runs in the sandbox: the sandbox's copy
+# of the package keeps them (answers.student_package), so there only the in-process tripwire of check() applies.
+SANDBOX_KEEP = ("flashlab.numba_cuda.launch", "flashlab.numba_cuda.make_cuda_kernel")
 
 _NEEDS_SIMULATOR = (
     "this lab runs kernels in the CUDA simulator: restart the kernel and run the first cells in order "
