@@ -204,3 +204,67 @@ def test_peak_memory_is_measured_in_a_fresh_process_from_outside(tmp_path):
     assert out == 1e6 and whole > 6e6  # an n x n float64 array is 8 MB
     streamed, out = memprobe.measure(PROBE_CELLS, "streamed", (1000,), folder=tmp_path, timeout=120, **options)
     assert out == 1e6 and streamed < 2e6
+
+
+# A cheat's function builds the n x n matrix (134 MB at n = 4096) and tries to hide it from the measurement.
+_SQUARE = "def square(n):\n    a = np.ones((n, n))\n    return float(a.sum())\n"
+MEMORY_CHEATS = {
+    "resets the high-water mark after the work": [
+        "import numpy as np",
+        "def square(n):\n    a = np.ones((n, n))\n    s = float(a.sum())\n    del a\n"
+        "    open('/proc/self/clear_refs', 'w').write('5')\n    return s\n",
+    ],
+    "does the work in a child process": [
+        "import numpy as np, os",
+        "def square(n):\n    r, w = os.pipe()\n    if os.fork() == 0:\n        os.write(w, str(float(np.ones((n, n)).sum()))"
+        ".encode())\n        os._exit(0)\n    os.close(w)\n    s = float(os.read(r, 100))\n    os.wait()\n    return s\n",
+    ],
+    "holds memory before the call and frees it inside": [
+        "import numpy as np\n_hold = np.ones((4200, 4200))",
+        "def square(n):\n    global _hold\n    _hold = None\n    a = np.ones((n, n))\n    return float(a.sum())\n",
+    ],
+    "forges the probe's words, then holds memory": [
+        "import numpy as np, os\nfor fd in map(int, os.listdir('/proc/self/fd')):\n    try:\n"
+        "        os.write(fd, b'floor\\nready\\n')\n    except OSError:\n        pass\n"
+        "import time; time.sleep(0.3)\n_hold = np.ones((4200, 4200))",
+        "def square(n):\n    global _hold\n    _hold = None\n    a = np.ones((n, n))\n    return float(a.sum())\n",
+    ],
+    "makes itself undumpable so that the grader cannot reset its mark": [
+        "import numpy as np, ctypes\nctypes.CDLL(None).prctl(4, 0, 0, 0, 0)",
+        "def square(n):\n    a = np.ones((n, n))\n    s = float(a.sum())\n    del a\n"
+        "    try:\n        open('/proc/self/clear_refs', 'w').write('5')\n    except OSError:\n        pass\n"
+        "    return s\n",
+    ],
+}
+
+
+def _probe_options():
+    from flashlab.grading import sandbox
+
+    return {"allow_unsandboxed": sandbox.sandbox_problem() is not None, "env": {"FLASHLAB_BATCH_GRADING": "1",
+            "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1])}}
+
+
+@pytest.mark.parametrize("cheat", sorted(MEMORY_CHEATS))
+def test_memory_cheats_are_measured_or_refused(tmp_path, cheat):
+    from flashlab.grading import memprobe
+
+    n = 4096
+    try:
+        peak, out = memprobe.measure(MEMORY_CHEATS[cheat], "square", (n,), folder=tmp_path, timeout=120,
+                                     **_probe_options())
+    except RuntimeError as e:
+        assert "keep" in str(e) and "MB in memory before the call" in str(e), e  # refused, with the reason
+    else:
+        assert out == n * n and peak >= 0.9 * n * n * 8, f"{cheat}: measured {peak / 1e6:.1f} MB"
+
+
+def test_an_honest_function_is_measured_the_same_beside_big_transient_cells(tmp_path):
+    from flashlab.grading import memprobe
+
+    cells = ["import numpy as np", "demo = np.ones((6000, 6000)); del demo  # 288 MB, gone before the call",
+             _SQUARE, "def streamed(n):\n    return float(sum(np.ones(n).sum() for _ in range(n)))"]
+    streamed, out = memprobe.measure(cells, "streamed", (4096,), folder=tmp_path, timeout=120, **_probe_options())
+    assert out == 4096 * 4096 and streamed < 2e6
+    whole, out = memprobe.measure(cells, "square", (4096,), folder=tmp_path, timeout=120, **_probe_options())
+    assert out == 4096 * 4096 and 0.9 * 4096**2 * 8 <= whole <= 1.2 * 4096**2 * 8

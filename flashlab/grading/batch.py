@@ -19,9 +19,7 @@ Grades lab submissions (notebooks, or directories searched for ``*.ipynb``). For
    CUDA source) are fetched once. Expected values, reference code and seeds never enter the sandbox, so a
    notebook that patches the grader or walks the stack patches and finds nothing that judges it. Everything
    read back is untrusted (regular files only, no links, size caps; a malformed answer fails that call). A
-   call past its question's time limit is interrupted. Lab 05's kernels cannot leave their process: a remote
-   procedure (:func:`flashlab.grading.lab05.traced_launch`) launches and traces them inside and sends back the
-   outputs, judged outside, and the race report, measured inside. The student's own ``check(...)`` calls are
+   call past its question's time limit is interrupted. The student's own ``check(...)`` calls are
    skipped during batch grading and their printed output is never trusted;
 4. at ``--timeout`` seconds the sandbox is killed, every process in it with it (through the handle of the
    process the grader started, never a process id read from a file), and the submission gets an error row with
@@ -48,12 +46,14 @@ submission per line: ``{"path", "lab", "score", "max_score", "questions": [{"nam
 summary; students named by ``--id-pattern`` or ``--roster``): see :mod:`flashlab.grading.report`, which writes
 every report.
 
-Memory parts (``Trial.memory``) are measured in fresh sandboxed processes from the kernel's accounting of peak
-resident memory (:mod:`flashlab.grading.memprobe`), not with tracemalloc inside the notebook's kernel.
+Memory parts (``Trial.memory``) are measured in a fresh sandboxed process, watched from outside through the
+kernel's accounting of its resident memory (:mod:`flashlab.grading.memprobe`), not with tracemalloc inside the
+notebook's kernel.
 
-Known limits: the memory count and lab 05's race report are taken inside the sandbox (see memprobe and lab05),
-so a determined student could still tamper with their own; :data:`JUDGED_INSIDE` lists labs graded entirely in
-the notebook's kernel (none today). The worker is inside the sandbox too, so the protocol lines it sends are
+A lab whose grading must observe a function's behaviour from inside the process that runs it (lab 05's race
+report) names it in ``RUN_APART``: its source is taken out of the notebook, checked to be kernel language, and run
+alone in a fresh sandbox (:mod:`flashlab.grading.kernelcheck`). :data:`JUDGED_INSIDE` lists labs graded entirely
+in the notebook's kernel (none today). The worker is inside the sandbox too, so the protocol lines it sends are
 untrusted like everything else from there.
 """
 
@@ -63,6 +63,7 @@ import argparse
 import collections
 import concurrent.futures
 import glob
+import importlib
 import json
 import math
 import os
@@ -80,7 +81,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import numba_cuda
-from . import answers, core, memprobe, remote, report, sandbox
+from . import answers, core, kernelcheck, memprobe, remote, report, sandbox
 from .core import BATCH_ENV, available_labs, get_lab, new_seed
 from .remote import read_untrusted
 
@@ -389,10 +390,27 @@ def _judge_outside(lab_id: str, seed: int, proc: subprocess.Popen, lines: _Lines
     names = list(dict.fromkeys(n for q in lab.questions.values() for n in q.objects))
     session.deadline = end
     objects: dict[str, object] = {}
+    # Functions the lab judges apart from the notebook (lab 05's kernel factory): their source runs alone, in a
+    # fresh sandbox (flashlab.grading.kernelcheck), where what is measured about them cannot be tampered with.
+    apart: dict[str, object] = dict.fromkeys(getattr(importlib.import_module(f"{__package__}.{lab_id}"),
+                                                     "RUN_APART", ()))
+    try:
+        return _run_questions(lab, lab_id, seed, session, names, objects, apart, probe, end, timeout)
+    finally:
+        for obj in apart.values():
+            if obj is not None:
+                obj.close()
+
+
+def _run_questions(lab, lab_id: str, seed: int, session, names: list[str], objects: dict, apart: dict,
+                   probe: dict, end: float, timeout: float) -> list[dict]:
     try:
         kinds = session.describe(names)
         for name, kind in kinds.items():
-            if kind == "callable":
+            if kind == "callable" and name in apart:
+                objects[name] = apart[name] = kernelcheck.KernelProbe(probe["cells"], name, probe["folder"],
+                                                                      **probe["options"])
+            elif kind == "callable":
                 objects[name] = remote.RemoteFunction(session, name)
             elif kind == "value":
                 objects[name] = session.value(name)
@@ -403,6 +421,9 @@ def _judge_outside(lab_id: str, seed: int, proc: subprocess.Popen, lines: _Lines
     out = []
     for q in lab.questions.values():
         session.deadline = min(time.monotonic() + question_time, end)
+        for obj in apart.values():
+            if getattr(obj, "session", None) is not None:
+                obj.session.deadline = session.deadline
         r = core.run_question(lab_id, q.name, [objects.get(n) for n in q.objects], seed=question_seed(seed, q.name),
                               time_limit=question_time)
         out.append(r.as_dict())

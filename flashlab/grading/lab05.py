@@ -38,10 +38,15 @@ ANSWERS = {
     "q1": ("flashlab.numba_cuda.make_cuda_kernel", "flashlab.numba_cuda.cuda_forward", *_CPU),
     "q2": ("flashlab.numba_cuda.launch", "flashlab.numba_cuda.cuda_forward", *_CPU),
 }
-# Each is the answer of one question and a helper of the other (q1's kernel is launched with launch; q2 builds
-# its kernel with make_cuda_kernel), and the traced launch that grades q1 runs in the sandbox: the sandbox's copy
-# of the package keeps them (answers.student_package), so there only the in-process tripwire of check() applies.
-SANDBOX_KEEP = ("flashlab.numba_cuda.launch", "flashlab.numba_cuda.make_cuda_kernel")
+# q2's grading builds the course's kernel with make_cuda_kernel in the notebook's process, so the sandbox's copy
+# of the package keeps it (answers.student_package); q1's factory is judged apart (RUN_APART), where its source
+# may use numba.cuda and math only, so handing in make_cuda_kernel is refused there.
+# The lab's own last cell compares the learner's kernel with flashlab.reference.attention, so that stays too;
+# q2 checks that run_kernel launched the kernel it was given, which computing on the CPU does not.
+SANDBOX_KEEP = ("flashlab.numba_cuda.make_cuda_kernel", "flashlab.reference.attention")
+# The batch grader takes make_kernel's source out of the notebook, checks that it is kernel language, and launches
+# and traces it in a fresh sandbox (flashlab.grading.kernelcheck): the race report cannot be tampered with there.
+RUN_APART = ("make_kernel",)
 
 _NEEDS_SIMULATOR = (
     "this lab runs kernels in the CUDA simulator: restart the kernel and run the first cells in order "
@@ -77,6 +82,8 @@ def _zero_padded_ref(case: Case):
 @LAB.question("q1", points=6, objects=("make_kernel",))
 def q1(t: Trial, make_kernel):
     """make_kernel's kernel stages K/V tiles in shared memory, synchronises, and updates each row's state."""
+    if getattr(make_kernel, "rejected", None):
+        return 0.0, f"not graded: {make_kernel.rejected}."
     if not (make_kernel.procedure("flashlab.grading.lab05:simulator_state") if hasattr(make_kernel, "procedure")
             else numba_cuda.simulator_active()):
         return 0.0, _NEEDS_SIMULATOR
@@ -222,9 +229,9 @@ def traced_launch(factory: Callable, Q, K, V, bq: int, bk: int) -> tuple:
     """``(O, L, record)`` of one traced launch of the student's kernel (O and L None and ``record["error"]`` =
     (type name, message) if it raised), in plain values that can be sent back.
 
-    The batch grader runs this inside the sandbox, where the student's kernel lives (a remote procedure): lab 05's
-    race report and tile shapes are therefore measured inside the submission's process; its outputs are still
-    judged outside.
+    The batch grader runs this in a fresh sandbox that holds only the student's kernel factory, taken out of the
+    notebook and checked to be kernel language (:mod:`flashlab.grading.kernelcheck`); outputs and trace are judged
+    outside.
     """
     record: dict = {}
     O = L = None
@@ -239,10 +246,23 @@ def traced_launch(factory: Callable, Q, K, V, bq: int, bk: int) -> tuple:
     return O, L, record
 
 
+class _CountedKernel:
+    """A kernel that counts its launches (``kernel[grid, block](...)``)."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, config):
+        self.launches += 1
+        return self.kernel[config]
+
+
 def launch_with_package_kernel(run_kernel: Callable, Q, K, V, bq: int, bk: int):
-    """``run_kernel(kernel, Q, K, V, bq)`` with the package's kernel for these shapes (a remote procedure)."""
-    kernel = numba_cuda.make_cuda_kernel(bq, bk, Q.shape[2], V.shape[2], "float64")
-    return run_kernel(kernel, Q, K, V, bq)
+    """``(O, L, launches)``: ``run_kernel(kernel, Q, K, V, bq)`` with the package's kernel for these shapes, and
+    how many times it launched that kernel (a remote procedure)."""
+    kernel = _CountedKernel(numba_cuda.make_cuda_kernel(bq, bk, Q.shape[2], V.shape[2], "float64"))
+    O, L = run_kernel(kernel, Q, K, V, bq)
+    return O, L, kernel.launches
 
 
 # ------------------------------------------------------------------------------------------ q2: the launch
@@ -279,11 +299,16 @@ def q2(t: Trial, run_kernel):
         Q, K, V, bq, bk = case.args
         try:
             if hasattr(fn, "procedure"):  # the batch grader's proxy: the package's kernel is built where it runs
-                return fn.procedure("flashlab.grading.lab05:launch_with_package_kernel", Q, K, V, bq, bk)
-            return launch_with_package_kernel(fn, Q, K, V, bq, bk)
+                O, L, launches = fn.procedure("flashlab.grading.lab05:launch_with_package_kernel", Q, K, V, bq, bk)
+            else:
+                O, L, launches = launch_with_package_kernel(fn, Q, K, V, bq, bk)
         except IndexError as e:
             raise IndexError(f"a thread block indexed outside Q, K or V: is the grid (query blocks, batch), "
                              f"with blockIdx.x walking the queries? ({e})") from None
+        if not launches:
+            raise ValueError("run_kernel returned without launching the kernel it was given: launch it as "
+                             "kernel[grid, threads](Q, K, V, O, L, n, m, scale, False)")
+        return O, L
 
     cases = [_case(t, 2, 9, 5, 3, 2, 4, 4)]
     for _ in range(3):
