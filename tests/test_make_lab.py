@@ -97,7 +97,8 @@ def lab_server(tmp_path_factory):
         pytest.skip("needs JupyterLab in the venv running the tests (requirements.txt)")
     tmp = tmp_path_factory.mktemp("make_lab")
     port, token = _free_port(), secrets.token_hex(16)
-    env = dict(os.environ)
+    # As typed at a shell: no flags or job server inherited from a `make test` this may run under.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     # A fresh student's Jupyter state: runtime files (the URL it opens), workspaces and settings of our own.
     env.update(JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"),
                JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"))
