@@ -26,11 +26,16 @@ $(DEV_STAMP): $(STAMP) requirements-dev.txt
 	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
 	touch $(DEV_STAMP)
 
+# JupyterLab serves the course's root, so that a chapter's "Lab:" link (../labs/...), data/ and docs/ are in reach,
+# and opens on chapter 1. Options of your own go in LAB_ARGS, after ours so that they win:
+# make lab LAB_ARGS="--no-browser --port 8890".
 # Jupyter refuses to start as root (containers, some cloud VMs) unless told to.
-LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
+LAB_FIRST      := notebooks/01_online_softmax.ipynb
+LAB_ALLOW_ROOT  = $(if $(filter 0,$(shell id -u)),--allow-root)
+LAB_ARGS       ?=
 
 lab: setup
-	$(BIN)/jupyter lab $(LAB_ARGS) notebooks/
+	$(BIN)/jupyter lab $(LAB_ALLOW_ROOT) --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/$(LAB_FIRST) $(LAB_ARGS)
 
 test: dev
 	$(BIN)/python -m pytest -q
