@@ -425,3 +425,25 @@ def test_find_bwrap_looks_on_path_first(tmp_path, monkeypatch):
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
     assert sandbox.find_bwrap() == str(fake)
+
+
+def test_unsandboxed_timeout_leaves_no_kernel_running(tmp_path):
+    """Without the sandbox, a notebook's kernel runs in a session of its own; a timeout still ends it."""
+    import nbformat
+
+    from flashlab.grading import batch
+
+    marker = tmp_path / "kernel.pid"
+    nb = nbformat.v4.new_notebook(metadata={"flashlab": {"lab": "lab01"}})
+    nb.cells = [nbformat.v4.new_code_cell(f"import os\nopen({str(marker)!r}, 'w').write(str(os.getpid()))"),
+                nbformat.v4.new_code_cell("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                                          "while True:\n    time.sleep(0.1)")]
+    path = tmp_path / "hangs.ipynb"
+    nbformat.write(nb, path)
+    row = batch.grade_one(path, timeout=25, sandboxed=False)
+    assert row["error"] and not row["sandboxed"], row
+    pid = int(marker.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+        time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{pid}"), f"the notebook's kernel (pid {pid}) outlived its grading"

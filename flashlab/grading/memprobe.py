@@ -52,31 +52,6 @@ SAMPLE_EVERY = 0.002
 RESCAN_EVERY = 0.02
 
 
-def _children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    stat = f.read()
-                ppid = int(stat.rsplit(b")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue  # gone, or not readable: not one of ours (ours belong to this uid or the scratch uid)
-            kids.setdefault(ppid, []).append(int(entry))
-    return kids
-
-
-def process_tree(root: int) -> list[int]:
-    """``root`` and every process descending from it (a sandbox's leader: every process in the sandbox)."""
-    kids = _children()
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(kids.get(pid, ()))
-    return found
-
-
 def _status_kib(pid: int, keys: tuple[bytes, ...]) -> dict[bytes, int] | None:
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
@@ -118,7 +93,7 @@ class Watch:
 
     def __init__(self, root: int) -> None:
         self.root = root
-        self.pids = process_tree(root)
+        self.pids = sandbox.process_tree(root)
         # A process whose mark was reset counts by its high-water mark (nothing it held since is missed between
         # samples); one that refused the reset, and one that existed before, by its resident size when sampled.
         self.marked = {pid for pid in self.pids if _reset_peak(pid)}
@@ -142,7 +117,7 @@ class Watch:
         rescan = time.monotonic() + RESCAN_EVERY
         while not self._done.wait(SAMPLE_EVERY):
             if time.monotonic() >= rescan:
-                self.pids = process_tree(self.root)
+                self.pids = sandbox.process_tree(self.root)
                 # Born after the reset: its whole life is the call's, so its high-water mark counts.
                 self.marked |= {pid for pid in self.pids if pid not in self.known}
                 self.known |= set(self.pids)
@@ -216,12 +191,12 @@ def measure(cells: Sequence[str], name: str, args: tuple, *, folder: pathlib.Pat
         markers = _Markers(proc)
         if not markers.wait_for("floor", end):
             raise RuntimeError("the memory measurement did not start (a fresh Python with the course's package)")
-        floor = resident(process_tree(proc.pid))
+        floor = resident(sandbox.process_tree(proc.pid))
         _go(proc)
         if not markers.wait_for("ready", end):
             raise RuntimeError("the memory measurement did not finish (your notebook's code, run again in a fresh"
                                " process, failed or ran too long)")
-        before = resident(process_tree(proc.pid))
+        before = resident(sandbox.process_tree(proc.pid))
         watch = Watch(proc.pid)
         _go(proc)
         while not sandbox._exited(proc.pid):

@@ -361,8 +361,48 @@ def popen(argv: Sequence[str], *, workdir: str | os.PathLike, hide: Iterable[str
     return proc, problem is None
 
 
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    stat = f.read()
+                ppid = int(stat.rsplit(b")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue  # gone, or not readable
+            kids.setdefault(ppid, []).append(int(entry))
+    return kids
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process descending from it now (from ``/proc``; only ``root`` where there is none).
+
+    For a sandbox's leader that is every process in the sandbox: orphans there are adopted by its init."""
+    kids = _children()
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(kids.get(pid, ()))
+    return found
+
+
 def stop(proc: subprocess.Popen) -> None:
-    """Kill a process from :func:`popen` and everything it started (sandboxed: every process inside), and reap it."""
+    """Kill a process from :func:`popen` and everything it started (sandboxed: every process inside), and reap it.
+
+    Unsandboxed, a process that left the group (a Jupyter kernel starts a session of its own) is still found as
+    a descendant of the one the caller started: the ids come from the tree under our own child, never a file;
+    only what double-forked away before this call (adopted by init) escapes, as said of the unsandboxed mode."""
+    for _ in range(5):  # a process may fork between the scan and the kill: scan again until none is left
+        below = process_tree(proc.pid)[1:] if proc.returncode is None else []
+        if not below:
+            break
+        for pid in below:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
     _kill_group(proc)  # sandboxed: the sandbox's leader, whose death ends every process inside
     proc.wait()
 
