@@ -219,3 +219,53 @@ def plot_memory_vs_n(ns: Sequence[int], peaks: dict[str, Sequence[float]], *, s_
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     return ax.figure
+
+
+def plot_causal_masks(shapes: Sequence[tuple[int, int]], *, axes=None):
+    """One panel per (n, m): the causal mask of :func:`flashlab.reference.causal_mask`, key j against query i.
+
+    Query i sees key j when j <= i + m - n: the last query is aligned with the last key, so with n > m the first
+    n - m queries see no key at all (drawn hatched). The picture is the reference's own mask, not a redrawing.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch, Rectangle
+
+    from .reference import causal_mask
+
+    if not shapes:
+        raise ValueError("need at least one (n, m) shape")
+    for shape in shapes:
+        if len(shape) != 2 or any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 1 for x in shape):
+            raise ValueError(f"each shape must be (n, m) with positive integers; got {shape!r}")
+    if axes is None:
+        fig, axes = plt.subplots(1, len(shapes), figsize=(3.2 * len(shapes), 3.4), constrained_layout=True,
+                                 squeeze=False)
+        axes = axes[0]
+    if len(axes) != len(shapes):
+        raise ValueError(f"need one axes per shape ({len(shapes)}); got {len(axes)}")
+    fig = axes[0].figure
+    for ax, (n, m) in zip(axes, shapes, strict=True):
+        mask = causal_mask(n, m)
+        ax.imshow(mask, cmap=ListedColormap([TODO, DONE]), vmin=0, vmax=1, aspect="equal")
+        ax.set_xticks(np.arange(-0.5, m, 1), minor=True)
+        ax.set_yticks(np.arange(-0.5, n, 1), minor=True)
+        ax.grid(which="minor", color="k", lw=0.5)
+        ax.tick_params(which="minor", length=0)
+        ax.set_xticks(range(m))
+        ax.set_yticks(range(n))
+        for i in np.flatnonzero(~mask.any(axis=1)):
+            ax.add_patch(Rectangle((-0.5, i - 0.5), m, 1, facecolor=SKIPPED, edgecolor="k", lw=0.5, hatch="//"))
+        ax.plot([m - 1], [n - 1], marker="o", color=CURRENT, ms=6)
+        relation = "<" if n < m else ("=" if n == m else ">")
+        rule = "j ≤ i" + (f" + {m - n}" if m > n else f" − {n - m}" if n > m else "")
+        ax.set_title(f"n = {n} {relation} m = {m}: {rule}", fontsize=9)
+        ax.set_xlabel("key index j")
+        ax.set_ylabel("query index i")
+    handles = [Patch(facecolor=DONE, edgecolor="k", label="query i sees key j"),
+               Patch(facecolor=TODO, edgecolor="k", label="masked"),
+               Patch(facecolor=SKIPPED, edgecolor="k", hatch="//", label="row sees no key"),
+               plt.Line2D([], [], marker="o", color=CURRENT, ls="", label="last query, last key")]
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=8)
+    fig.suptitle("Causal mask: the last query is aligned with the last key", fontsize=10)
+    return fig
