@@ -216,8 +216,9 @@ MEMORY_CHEATS = {
     ],
     "does the work in a child process": [
         "import numpy as np, os",
-        "def square(n):\n    r, w = os.pipe()\n    if os.fork() == 0:\n        os.write(w, str(float(np.ones((n, n)).sum()))"
-        ".encode())\n        os._exit(0)\n    os.close(w)\n    s = float(os.read(r, 100))\n    os.wait()\n    return s\n",
+        "def square(n):\n    r, w = os.pipe()\n    if os.fork() == 0:\n"
+        "        os.write(w, str(float(np.ones((n, n)).sum())).encode())\n        os._exit(0)\n"
+        "    os.close(w)\n    s = float(os.read(r, 100))\n    os.wait()\n    return s\n",
     ],
     "holds memory before the call and frees it inside": [
         "import numpy as np\n_hold = np.ones((4200, 4200))",
