@@ -461,3 +461,17 @@ def test_unsandboxed_timeout_leaves_nothing_the_notebook_started_running(tmp_pat
     while time.monotonic() < deadline and _named(comm):
         time.sleep(0.2)
     assert not _named(comm), "a process the notebook started outlived its grading"
+
+
+def test_library_folders_of_the_grader_reach_the_sandbox_but_never_the_checkout(tmp_path, monkeypatch):
+    from flashlab.grading import batch
+
+    libs, checkout = tmp_path / "libs", tmp_path / "course"
+    (checkout / "vendored").mkdir(parents=True)
+    libs.mkdir()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(libs), str(checkout), str(checkout / "vendored"), "",
+                                                      str(tmp_path / "missing")]))
+    found = batch.library_paths([checkout])
+    assert str(libs.resolve()) in found
+    assert not any(pathlib.Path(p) == checkout.resolve() or checkout.resolve() in pathlib.Path(p).parents
+                   for p in found)

@@ -246,15 +246,16 @@ def _grade(path: pathlib.Path, *, timeout: float, lab_id: str | None, seed: int,
         # course's own implementation of the task is neither callable nor readable there.
         package = answers.student_package(tmp / "package", lab_id)
         os.chmod(tmp / "package", 0o755)
-        env = {BATCH_ENV: "1", "MPLBACKEND": "Agg", "PYTHONPATH": str(package.parent),
+        extra = library_paths([ROOT, *hide])
+        env = {BATCH_ENV: "1", "MPLBACKEND": "Agg", "PYTHONPATH": os.pathsep.join([str(package.parent), *extra]),
                "PYTHONDONTWRITEBYTECODE": "1",
                "OMP_NUM_THREADS": "2", "OPENBLAS_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "NUMBA_NUM_THREADS": "2"}
         mode = "inside" if lab_id in JUDGED_INSIDE else "serve"
         cmd = [sys.executable, "-m", "flashlab.grading.batch", "--worker", copy.name, str(requests), lab_id,
                str(timeout), mode, str(seed) if mode == "inside" else "-"]
-        options = {"hide": [ROOT, *(p for p in hide if _hideable(p))], "expose": [package.parent],
+        options = {"hide": [ROOT, *(p for p in hide if _hideable(p))], "expose": [package.parent, *extra],
                    "gpu": _needs_gpu(lab_id), "env": env, "limits": SANDBOX_LIMITS, "allow_unsandboxed": not sandboxed}
-        proc, isolated = sandbox.popen(cmd, workdir=work, **{**options, "expose": [package.parent, requests]},
+        proc, isolated = sandbox.popen(cmd, workdir=work, **{**options, "expose": [*options["expose"], requests]},
                                        stdin=subprocess.PIPE)
         cells = [_source(c) for c in nb["cells"] if isinstance(c, dict) and c.get("cell_type") == "code"]
         probe = {"cells": cells, "folder": tmp, "options": options}
@@ -265,6 +266,27 @@ def _grade(path: pathlib.Path, *, timeout: float, lab_id: str | None, seed: int,
         return {**row, "sandboxed": isolated}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def library_paths(hidden: Sequence[str | os.PathLike]) -> list[str]:
+    """Folders of packages the grader's Python finds through ``PYTHONPATH`` or the user's site folder (an
+    instructor's ``pip install --user`` or ``--target``): the sandbox gets them too, read-only, unless they hold
+    or lie in a hidden folder (the course's checkout, with ``solutions/``, never enters)."""
+    import site
+
+    candidates = [*os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    if site.ENABLE_USER_SITE:
+        candidates.append(site.getusersitepackages())
+    hidden_real = [pathlib.Path(os.path.realpath(h)) for h in hidden]
+    found = []
+    for entry in candidates:
+        if not entry or not os.path.isdir(entry):
+            continue
+        real = pathlib.Path(os.path.realpath(entry))
+        if any(real == h or h in real.parents or real in h.parents for h in hidden_real):
+            continue
+        found.append(str(real))
+    return list(dict.fromkeys(found))
 
 
 def _finish(proc: subprocess.Popen, grace: float = 10.0) -> None:

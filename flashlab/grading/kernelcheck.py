@@ -232,7 +232,9 @@ class KernelProbe:
         os.chmod(self.requests, 0o755)
         (self.requests / "kernel.py").write_text(source)
         package = pathlib.Path(__file__).resolve().parents[1]
-        env = {**sandbox_options.get("env", {}), "PYTHONPATH": str(package.parent)}
+        env = sandbox_options.get("env", {})
+        theirs = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)[1:] if p]  # libraries, not the package
+        env = {**env, "PYTHONPATH": os.pathsep.join([str(package.parent), *theirs])}
         options = {**sandbox_options, "env": env,
                    "expose": [*sandbox_options.get("expose", ()), self.requests, package]}
         cmd = [sys.executable, "-m", "flashlab.grading.kernelcheck", str(self.requests), name]
