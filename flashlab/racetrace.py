@@ -10,7 +10,8 @@ chapter 5 draws a kernel's accesses from it. The simulator is chosen as :mod:`fl
 from __future__ import annotations
 
 import contextlib
-import os
+import linecache
+import re
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -44,25 +45,61 @@ class Race:
     first: tuple  # (thread, "read"/"write")
     second: tuple
 
+    lines: tuple = ("", "")  # where each access was made in the kernel's source ("line 21: k_tile[j, c] = ...")
+
+    @property
+    def missing(self) -> str:
+        """Which barrier is missing: read after write -> after loading; write after read -> after using."""
+        kinds = (self.first[1], self.second[1])
+        if kinds == ("write", "read"):
+            return "after loading"
+        if kinds == ("read", "write"):
+            return "after using"
+        return "between two writes"
+
     def __str__(self) -> str:
         def who(idx):
             return f"thread {idx[0]}" if tuple(idx[1:]) == (0, 0) else f"thread {tuple(idx)}"
 
         block = self.block[0] if tuple(self.block[1:]) == (0, 0) else tuple(self.block)
-        return (f"{who(self.first[0])} ({self.first[1]}) and {who(self.second[0])} ({self.second[1]}) of block "
+        text = (f"{who(self.first[0])} ({self.first[1]}) and {who(self.second[0])} ({self.second[1]}) of block "
                 f"{block} touched {self.array}{list(self.index)} with no syncthreads() between them")
+        kinds = (self.first[1], self.second[1])
+        where = [f"{kind} at {line}" for kind, line in zip(kinds, self.lines, strict=True) if line]
+        return text + (f" ({'; '.join(where)})" if where else "")
 
 
 @dataclass
 class SharedMemoryTrace:
     """What a simulated launch did to its shared arrays: allocations, accesses (if kept) and data races."""
 
-    shapes: dict = field(default_factory=dict)  # array name ("file:line") -> shape
+    shapes: dict = field(default_factory=dict)  # array name (its variable in the kernel) -> shape
     dtypes: dict = field(default_factory=dict)  # array name -> dtype name
     accesses: list = field(default_factory=list)
     races: list = field(default_factory=list)
-    out_of_bounds: list = field(default_factory=list)  # (array, index, shape)
+    out_of_bounds: list = field(default_factory=list)  # (array, index, shape, "line N: text")
     barriers: int = 0
+
+
+def _source_line(frame) -> str:
+    """``line N: text`` of a frame of the kernel (the notebook's cell or the grader's copy of the source)."""
+    text = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    return f"line {frame.f_lineno}: {text}" if text else f"line {frame.f_lineno}"
+
+
+def _kernel_frame():
+    """The innermost frame outside this module: the kernel's line that touched the array."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    return frame
+
+
+def _array_name(frame) -> str:
+    """The variable a shared array is assigned to on its line (``k_tile = cuda.shared.array(...)``), else the line."""
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+    match = re.match(r"\s*([A-Za-z_]\w*)\s*=\s*[\w.]*array\(", line)
+    return match.group(1) if match else f"the shared array of line {frame.f_lineno}"
 
 
 def _here():
@@ -86,6 +123,7 @@ class _TracedShared:
         # per element: (block, thread, epoch) of the last write, and the readers in that element's epoch
         self._writer: dict = {}
         self._readers: dict = {}
+        self._lines: dict = {}  # (block, thread, epoch, flat, write) -> the kernel's line, for race reports
         self.shape, self.dtype, self.size, self.ndim = data.shape, data.dtype, data.size, data.ndim
 
     def __len__(self) -> int:
@@ -95,15 +133,21 @@ class _TracedShared:
         idx = index if isinstance(index, tuple) else (index,)
         for k, i in enumerate(idx):
             if isinstance(i, (int, np.integer)) and not (0 <= i < self._data.shape[k]):
-                self._trace.out_of_bounds.append((self._name, idx, self._data.shape))
-                raise IndexError(f"shared array {self._name} of shape {self._data.shape} indexed at {list(idx)}")
+                frame = _kernel_frame()
+                where = _source_line(frame) if frame is not None else ""
+                self._trace.out_of_bounds.append((self._name, idx, self._data.shape, where))
+                raise IndexError(f"{self._name} of shape {self._data.shape} indexed at {list(idx)}"
+                                 + (f" ({where})" if where else ""))
         return np.atleast_1d(self._positions[index]).ravel()
 
     def _record(self, index, write: bool):
         block, thread, epoch = _here()
         flats = self._flat(index)
+        frame = _kernel_frame()
+        line = (frame.f_code.co_filename, frame.f_lineno) if frame is not None else None
         with self._lock:
             for f in flats.tolist():
+                self._lines[(block, thread, epoch, f, write)] = line
                 key = (block, f)
                 w = self._writer.get(key)
                 if w is not None and w[1] == epoch and w[0] != thread:
@@ -131,7 +175,12 @@ class _TracedShared:
     def _race(self, block, flat, epoch, first, second):
         if len(self._trace.races) < self._max_races:
             index = tuple(int(i) for i in np.unravel_index(flat, self._data.shape))
-            self._trace.races.append(Race(self._name, block, index, epoch, first, second))
+            lines = []
+            for thread, kind in (first, second):
+                where = self._lines.get((block, thread, epoch, flat, kind == "write"))
+                text = linecache.getline(*where).strip() if where else ""
+                lines.append(f"line {where[1]}: {text}" if where and text else f"line {where[1]}" if where else "")
+            self._trace.races.append(Race(self._name, block, index, epoch, first, second, tuple(lines)))
 
     def __getitem__(self, index):
         self._record(index, write=False)
@@ -171,7 +220,9 @@ def trace_shared_memory(*, keep_accesses: bool = False, max_races: int = 20):
             traced = self.__dict__.setdefault("_flashlab_traced", {})
             if key not in traced:
                 data = kernelapi.FakeCUDALocal().array(shape, dtype)  # np.empty, with numba's dtype converted
-                name = f"{os.path.basename(key[0])}:{key[1]}"
+                name = _array_name(frame)
+                if name in trace.shapes:  # the same variable name on two lines: tell them apart
+                    name = f"{name} (line {key[1]})"
                 trace.shapes[name] = tuple(data.shape)
                 trace.dtypes[name] = str(data.dtype)
                 traced[key] = _TracedShared(data, name, trace, keep_accesses, max_races)

@@ -104,8 +104,12 @@ def q1(t: Trial, make_kernel):
             raise remote_exception(str(error[0]), str(error[1]))
         return O, L
 
-    def raced(case, got, expected):
-        return bool(info.get(case.label, {}).get("races"))
+    def raced(missing):
+        def explains(case, got, expected):
+            return any(isinstance(r, dict) and r.get("missing") == missing
+                       for r in info.get(case.label, {}).get("races", []))
+
+        return explains
 
     def whole_last_tile(case, got, expected):
         record = info.get(case.label, {})
@@ -120,9 +124,15 @@ def q1(t: Trial, make_kernel):
         return any(v != "float64" for v in info.get(case.label, {}).get("dtypes", {}).values())
 
     mutants = [
-        Mutant("missing barrier: the threads read a shared tile that other threads had not finished writing "
-               "(or overwrote it while others still read it). Call cuda.syncthreads() after loading a tile and "
-               "again after using it.", explains=raced),
+        Mutant("missing barrier after loading: a thread read the shared tile before every thread had finished "
+               "loading it. Call cuda.syncthreads() after the loads, before the first read.",
+               explains=raced("after loading")),
+        Mutant("missing barrier after using: a thread loaded the next tile while another still read this one. "
+               "Call cuda.syncthreads() after the update loop, before the next tile's loads.",
+               explains=raced("after using")),
+        Mutant("two threads wrote the same shared element: the copy loop's (row, column) = divmod(e, width) must "
+               "use that tile's own width (D for the K tile, DV for the V tile), so each element has one writer.",
+               explains=raced("between two writes")),
         Mutant("reading past the last ragged tile: when m is not a multiple of BLOCK_K the last tile has only "
                "m - k0 keys; the update must stop there (the extra rows of the tile hold zeros or old keys).",
                explains=whole_last_tile),
@@ -183,12 +193,18 @@ def q1(t: Trial, make_kernel):
                  f"float64 like the inputs.")
 
     records = list(info.values())
-    races = [r for rec in records for r in rec.get("races", [])]
+    races = [r for rec in records for r in rec.get("races", []) if isinstance(r, dict)]
     ran = any(rec.get("shapes") for rec in records) and any(rec.get("barriers") for rec in records)
     if races:
-        t.expect("no data races on shared memory", 1, False,
-                 f"missing barrier: {races[0]}. Every tile needs cuda.syncthreads() after it is loaded (before "
-                 f"anyone reads it) and after it is used (before the next tile overwrites it).")
+        missing = [m for m in ("after loading", "after using") if any(r.get("missing") == m for r in races)]
+        why = {"after loading": "a thread read the tile before every thread had finished loading it: call "
+                                "cuda.syncthreads() after the loads, before the first read",
+               "after using": "a thread loaded the next tile while another still read this one: call "
+                              "cuda.syncthreads() after the update loop, before the next loads"}
+        said = "; ".join(f"missing barrier {m}: {why[m]}" for m in missing) or (
+            "two threads wrote the same shared element between two barriers: check the copy loop's index against "
+            "the tile's shape")
+        t.expect("no data races on shared memory", 1, False, f"{said}. First race seen: {races[0].get('text')}.")
     else:
         t.expect("no data races on shared memory", 1, ran,
                  "the kernel never staged a tile in shared memory with a barrier (cuda.shared.array and "
@@ -211,17 +227,20 @@ def _traced(factory: Callable, Q, K, V, bq: int, bk: int, record: dict):
             return numba_cuda.launch(kernel, Q, K, V, block_q=bq)
         except IndexError as e:
             if trace.out_of_bounds:
-                name, index, shape = trace.out_of_bounds[0]
+                name, index, shape, where = trace.out_of_bounds[0]
                 record["small_tile"] = True
-                raise IndexError(f"shared tile too small: an array of shape {shape} was indexed at {list(index)}; "
-                                 "the K tile needs (BLOCK_K, D), the V tile (BLOCK_K, DV)") from None
+                record["out_of_bounds"] = [name, where]
+                raise IndexError(f"{name} of shape {shape} was indexed at {list(index)}"
+                                 + (f" on {where}" if where else "") + f" (BLOCK_K={bk}, D={Q.shape[2]}, "
+                                 f"DV={V.shape[2]}): check that index against {name}'s shape") from None
             if K.shape[1] % bk:
                 record["overrun"] = True
                 raise IndexError(f"read past the end of K or V on the last ragged tile (m={K.shape[1]}, "
                                  f"BLOCK_K={bk}): only rows k0 + j < m exist; guard the load ({e})") from None
             raise
         finally:
-            record.update(races=list(trace.races), shapes=dict(trace.shapes), dtypes=dict(trace.dtypes),
+            record.update(races=[{"text": str(r), "missing": r.missing} for r in trace.races],
+                          shapes=dict(trace.shapes), dtypes=dict(trace.dtypes),
                           barriers=trace.barriers, ragged=K.shape[1] % bk != 0)
 
 
@@ -239,7 +258,8 @@ def traced_launch(factory: Callable, Q, K, V, bq: int, bk: int) -> tuple:
         O, L = _traced(factory, Q, K, V, bq, bk, record)
     except Exception as e:  # the student's kernel may raise anything
         record["error"] = [type(e).__name__, str(e)[:1000]]
-    record.update(races=[str(r) for r in record.get("races", [])],
+    record.update(races=[{"text": str(r.get("text", "")), "missing": str(r.get("missing", ""))}
+                         for r in record.get("races", [])],
                   shapes={str(k): [int(x) for x in v] for k, v in record.get("shapes", {}).items()},
                   dtypes={str(k): str(v) for k, v in record.get("dtypes", {}).items()},
                   barriers=int(record.get("barriers", 0)), ragged=bool(record.get("ragged", False)))
@@ -369,9 +389,15 @@ def _kernel_demo() -> Demo:
 KNOWN_MISTAKES = KnownMistakes(
     demos={"LAUNCH_MUTANTS": _launch_demo, "q1": _kernel_demo},
     hand_written={
-        ("q1", "missing barrier"): [
+        ("q1", "missing barrier after loading"): [
             HandWritten("no cuda.syncthreads() after loading a tile", _kernel((_TILE_LOADED, "pass"))),
+        ],
+        ("q1", "missing barrier after using"): [
             HandWritten("no cuda.syncthreads() after using a tile", _kernel((_TILE_USED, "pass"))),
+        ],
+        ("q1", "two threads wrote the same shared element"): [
+            HandWritten("the V tile's copy loop divides by D instead of DV",
+                        _kernel(("j, c = e // DV, e % DV", "j, c = e // D, e % DV"))),
         ],
         ("q1", "reading past the last ragged tile"): [
             HandWritten("the update walks all BLOCK_K rows of the last tile",
