@@ -78,6 +78,58 @@ def _zero_padded_ref(case: Case):
     return reference.attention(Q, K, V, scale=scale)
 
 
+def _emulate(case: Case, *, update_max: bool = True, rescale_acc: bool = True, rescale_l: bool = True,
+             subtract_max: bool = True, alpha_flipped: bool = False, max_first: bool = False,
+             drop_ragged: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(O, L) of the kernel's loop, key by key in float64, with one of the classic wrong updates switched on: what
+    a kernel with that mistake returns (the known mistakes of q1 are recognised by these outputs)."""
+    Q, K, V, _, bk = case.args
+    m = K.shape[1] - (K.shape[1] % bk if drop_ragged else 0)
+    q = Q / math.sqrt(Q.shape[2])
+    mx = np.full(Q.shape[:2], -np.inf)
+    l = np.zeros(Q.shape[:2])  # noqa: E741 -- the kernel's name
+    acc = np.zeros(Q.shape[:2] + (V.shape[2],))
+    with np.errstate(all="ignore"):
+        for j in range(m):
+            s = np.einsum("bnd,bd->bn", q, K[:, j])
+            m_new = np.maximum(mx, s)
+            if max_first and update_max:
+                mx = m_new
+            alpha = np.exp(m_new - mx) if alpha_flipped else np.exp(mx - m_new)
+            p = np.exp(s - m_new) if subtract_max else np.exp(s)
+            l = (l * alpha if rescale_l else l) + p  # noqa: E741
+            acc = (acc * alpha[..., None] if rescale_acc else acc) + p[..., None] * V[:, j][:, None, :]
+            if update_max:
+                mx = m_new
+        return acc / l[..., None], mx + np.log(l)
+
+
+def _emulated(**switches) -> Callable:
+    def explains(case, got, expected):
+        return allclose(got, _emulate(case, **switches))
+
+    return explains
+
+
+# Mistakes of the update loop, each recognised by the outputs it gives (``_emulate``).
+UPDATE_MUTANTS = [
+    Mutant("the running max is never updated (m_i = m_new is missing): every key then counts as the first, and O "
+           "is the last key's value row. Set m_i = m_new after the update.", explains=_emulated(update_max=False)),
+    Mutant("the accumulator is not rescaled: when the max grows, acc must be multiplied by alpha = exp(m_old - "
+           "m_new) before adding p * v, like l.", explains=_emulated(rescale_acc=False)),
+    Mutant("l is not rescaled: when the max grows, l must be multiplied by alpha = exp(m_old - m_new) before "
+           "adding p, like the accumulator.", explains=_emulated(rescale_l=False)),
+    Mutant("the max is not subtracted from the score: p = exp(s - m_new), so that p and alpha count against the "
+           "same max.", explains=_emulated(subtract_max=False)),
+    Mutant("alpha is inverted: the rescale factor is exp(m_old - m_new) (at most 1), not exp(m_new - m_old).",
+           explains=_emulated(alpha_flipped=True)),
+    Mutant("the max is updated before alpha is computed: alpha = exp(m_i - m_new) is then always 1 and nothing is "
+           "rescaled. Compute alpha with the old max, then set m_i = m_new.", explains=_emulated(max_first=True)),
+    Mutant("the last ragged tile is skipped: loop k0 over range(0, m, BLOCK_K), so the last, shorter tile is "
+           "processed too.", explains=_emulated(drop_ragged=True)),
+]
+
+
 # ------------------------------------------------------------------------------------------- q1: the kernel
 @LAB.question("q1", points=6, objects=("make_kernel",))
 def q1(t: Trial, make_kernel):
@@ -113,7 +165,7 @@ def q1(t: Trial, make_kernel):
 
     def whole_last_tile(case, got, expected):
         record = info.get(case.label, {})
-        if not record.get("ragged") or record.get("races"):
+        if not record.get("ragged") or record.get("races") or allclose(got, _emulate(case, drop_ragged=True)):
             return False
         if allclose(got[:1], _zero_padded_ref(case)[:1]):
             return True  # the padding rows were zeros
@@ -138,6 +190,7 @@ def q1(t: Trial, make_kernel):
                explains=whole_last_tile),
         Mutant("shared tiles in a lower precision than the inputs: allocate them as float64, like Q, K and V.",
                explains=low_precision),
+        *UPDATE_MUTANTS,
     ]
     full_tiles_right: list[bool] = []  # set after the first part: were all inputs without a ragged tile right?
     names = ("O", "L")
@@ -353,6 +406,8 @@ def _kernel(*edits: tuple[str, str]) -> Callable[[], Callable]:
 
 _TILE_LOADED = "cuda.syncthreads()                           # the tile is complete before anyone reads it"
 _TILE_USED = "cuda.syncthreads()                           # everyone is done before the next tile overwrites it"
+_MAX_UPDATE = "                    m_i = m_new\n"
+_MAX_FIRST = "m_i = m_new\n                    alpha = math.exp(m_i - m_new)"
 
 
 def _launch_demo() -> Demo:
@@ -404,6 +459,28 @@ KNOWN_MISTAKES = KnownMistakes(
                         _kernel(("range(min(BLOCK_K, m - k0))", "range(BLOCK_K)"))),
             HandWritten("the tile load is not guarded by k0 + j < m", _kernel((" if k0 + j < m else 0.0", "")),
                         expect="ragged tile"),
+        ],
+        ("q1", "the running max is never updated"): [
+            HandWritten("m_i = m_new left out", _kernel((_MAX_UPDATE, "                    pass\n"))),
+        ],
+        ("q1", "the accumulator is not rescaled"): [
+            HandWritten("acc += p * v", _kernel(("acc[c] * alpha + p", "acc[c] + p"))),
+        ],
+        ("q1", "l is not rescaled"): [
+            HandWritten("l_i += p", _kernel(("l_i = l_i * alpha + p", "l_i = l_i + p"))),
+        ],
+        ("q1", "the max is not subtracted"): [
+            HandWritten("p = exp(s)", _kernel(("p = math.exp(s - m_new)", "p = math.exp(s)"))),
+        ],
+        ("q1", "alpha is inverted"): [
+            HandWritten("alpha = exp(m_new - m_i)", _kernel(("math.exp(m_i - m_new)", "math.exp(m_new - m_i)"))),
+        ],
+        ("q1", "the max is updated before alpha"): [
+            HandWritten("m_i = m_new before alpha", _kernel(("alpha = math.exp(m_i - m_new)", _MAX_FIRST))),
+        ],
+        ("q1", "the last ragged tile is skipped"): [
+            HandWritten("k0 over full tiles only",
+                        _kernel(("range(0, m, BLOCK_K)", "range(0, m - m % BLOCK_K, BLOCK_K)"))),
         ],
         ("q1", "shared tiles in a lower precision"): [
             HandWritten("float32 shared tiles", _kernel(("shared.array((BLOCK_K, D), float64)",
