@@ -119,6 +119,44 @@ def _merge_lse_is_sum(o_parts, lse_parts):
     return _merge(o_parts, lse_parts)[0], np.where(np.isfinite(lse), lse, 0.0).sum(axis=-1)
 
 
+def _merge_lse_no_max(o_parts, lse_parts):
+    with np.errstate(over="ignore", divide="ignore"):
+        return _merge(o_parts, lse_parts)[0], np.log(np.exp(np.asarray(lse_parts, float)).sum(axis=-1))
+
+
+def _merge_weights_inverted(o_parts, lse_parts):
+    lse = np.asarray(lse_parts, float)
+    with np.errstate(all="ignore"):
+        mx = lse.max(axis=-1, keepdims=True)
+        w = np.where(np.isfinite(lse), np.exp(mx - lse), 0.0)
+        tot = w.sum(axis=-1, keepdims=True)
+        return (w[..., None] * o_parts).sum(axis=-2) / np.where(tot > 0, tot, 1.0), _merge(o_parts, lse_parts)[1]
+
+
+def _merge_max_over_rows(o_parts, lse_parts):
+    lse = np.asarray(lse_parts, float)
+    with np.errstate(all="ignore"):
+        mx = lse.max(axis=0, keepdims=True)
+        safe = np.where(np.isfinite(mx), mx, 0.0)
+        w = np.exp(lse - safe)
+        tot = w.sum(axis=-1, keepdims=True)
+        return (w[..., None] * o_parts).sum(axis=-2) / np.where(tot > 0, tot, 1.0), _merge(o_parts, lse_parts)[1]
+
+
+def _merge_empty_lse_zero(o_parts, lse_parts):
+    o, lse = _merge(o_parts, lse_parts)
+    return o, np.where(np.isfinite(lse), lse, 0.0)
+
+
+def _merge_lse_base2(o_parts, lse_parts):
+    lse = np.asarray(lse_parts, float)
+    mx = lse.max(axis=-1)
+    safe = np.where(np.isfinite(mx), mx, 0.0)
+    tot = np.exp(lse - safe[..., None]).sum(axis=-1)
+    with np.errstate(divide="ignore"):
+        return _merge(o_parts, lse_parts)[0], np.where(tot > 0, safe + np.log2(np.where(tot > 0, tot, 1.0)), -np.inf)
+
+
 def _o_only(out):
     return out[:1]
 
@@ -140,6 +178,17 @@ MERGE_MUTANTS = [
            "larger than the max whenever two splits contribute.", fn=_merge_lse_is_max, key=_lse_only),
     Mutant("the partial lse are added: logsumexp of a union is log(sum of exps), not a sum of logs.",
            fn=_merge_lse_is_sum, key=_lse_only),
+    Mutant("the merged lse is computed without subtracting the max: log sum_s e^(lse_s) overflows to inf for lse "
+           "near 1000. Compute it as M + log sum_s e^(lse_s - M), with the M the weights already use.",
+           fn=_merge_lse_no_max, key=_lse_only),
+    Mutant("the weights are inverted: split s weighs e^(lse_s - M) (the splits with more mass count more), not "
+           "e^(M - lse_s).", fn=_merge_weights_inverted, key=_o_only),
+    Mutant("the max is taken over the rows, not over each row's splits: M must be max_s lse_s of that row "
+           "(axis=-1), so that one common factor cancels in the weights.", fn=_merge_max_over_rows, key=_o_only),
+    Mutant("a row whose splits are all empty gets lse = 0: it saw no key, so its lse is -inf (and its o is 0).",
+           fn=_merge_empty_lse_zero, key=_lse_only),
+    Mutant("the lse is in base 2: the partial lse are natural logarithms, so the merged one is M + ln sum_s "
+           "e^(lse_s - M) (np.log, not np.log2).", fn=_merge_lse_base2, key=_lse_only),
 ]
 
 
@@ -171,6 +220,44 @@ def _split_unnormalised(q, k, v, num_splits):
     o, lse = _split_truth(q, k, v, num_splits)
     with np.errstate(over="ignore"):
         return o * np.where(np.isfinite(lse), np.exp(lse), 0)[..., None], lse
+
+
+def _split_per_split(q, k, v, num_splits, ranges, partial):
+    n = q.shape[0]
+    o_parts = np.zeros((n, num_splits, v.shape[1]))
+    lse_parts = np.full((n, num_splits), -np.inf)
+    for s, (lo, hi) in enumerate(ranges):
+        if hi > lo:
+            scores = (q @ k[lo:hi].T) / math.sqrt(q.shape[1])
+            mx = scores.max(axis=1, keepdims=True)
+            p = np.exp(scores - mx)
+            o_parts[:, s], lse_parts[:, s] = partial(p, v[lo:hi], mx[:, 0])
+    return o_parts, lse_parts
+
+
+def _split_unnormalised_max(q, k, v, num_splits):
+    return _split_per_split(q, k, v, num_splits, _ranges(k.shape[0], num_splits),
+                            lambda p, vs, mx: (p @ vs, mx + np.log(p.sum(axis=1))))
+
+
+def _split_lse_is_max(q, k, v, num_splits):
+    return _split_per_split(q, k, v, num_splits, _ranges(k.shape[0], num_splits),
+                            lambda p, vs, mx: (p @ vs / p.sum(axis=1, keepdims=True), mx))
+
+
+def _split_floor_length(q, k, v, num_splits):
+    m = k.shape[0]
+    step = max(m // num_splits, 1)
+    ranges = [(min(s * step, m), m if s == num_splits - 1 else min((s + 1) * step, m)) for s in range(num_splits)]
+    return _split_per_split(q, k, v, num_splits, ranges,
+                            lambda p, vs, mx: (p @ vs / p.sum(axis=1, keepdims=True), mx + np.log(p.sum(axis=1))))
+
+
+def _split_overlap(q, k, v, num_splits):
+    m = k.shape[0]
+    ranges = [(lo, min(hi + 1, m)) if hi > lo else (lo, hi) for lo, hi in _ranges(m, num_splits)]
+    return _split_per_split(q, k, v, num_splits, ranges,
+                            lambda p, vs, mx: (p @ vs / p.sum(axis=1, keepdims=True), mx + np.log(p.sum(axis=1))))
 
 
 def _split_drop_tail(q, k, v, num_splits):
@@ -205,6 +292,15 @@ SPLIT_MUTANTS = [
            "min((s + 1) L, m)); trailing splits may be empty), as the kernel does — not np.array_split's.",
            fn=_split_array_split),
     Mutant("the scale 1/sqrt(d) is missing: scores are scale * q k^T.", fn=_split_no_scale),
+    Mutant("the partial outputs are not divided by their own l: with the max subtracted, o_s = sum_j "
+           "e^(s_j - m_s) v_j / l_s with l_s = sum_j e^(s_j - m_s); the merge expects each o_s normalised.",
+           fn=_split_unnormalised_max, key=_o_only),
+    Mutant("a split's lse is its max alone: lse_s = m_s + log l_s (the max plus the log of the split's sum).",
+           fn=_split_lse_is_max, key=_lse_only),
+    Mutant("the split length is rounded down: L = ceil(m / num_splits), as the kernel computes it (with "
+           "L = m // num_splits the boundaries move and the last split takes the rest).", fn=_split_floor_length),
+    Mutant("neighbouring splits overlap by one key: split s covers [s L, (s + 1) L), the end excluded.",
+           fn=_split_overlap),
 ]
 
 
