@@ -25,8 +25,8 @@ def peak_memory(fn: Callable, *args, **kwargs) -> tuple[int, object]:
     return peak - base, result
 
 
-def median_time(fn: Callable, *args, repeat: int = 5, warmup: int = 1, **kwargs) -> float:
-    """Median wall-clock seconds of ``repeat`` calls after ``warmup`` untimed ones."""
+def wall_times(fn: Callable, *args, repeat: int = 5, warmup: int = 1, **kwargs) -> list[float]:
+    """Wall-clock seconds of each of ``repeat`` calls after ``warmup`` untimed ones (for a median and a spread)."""
     for _ in range(warmup):
         fn(*args, **kwargs)
     times = []
@@ -34,4 +34,9 @@ def median_time(fn: Callable, *args, repeat: int = 5, warmup: int = 1, **kwargs)
         t0 = time.perf_counter()
         fn(*args, **kwargs)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def median_time(fn: Callable, *args, repeat: int = 5, warmup: int = 1, **kwargs) -> float:
+    """Median wall-clock seconds of ``repeat`` calls after ``warmup`` untimed ones."""
+    return statistics.median(wall_times(fn, *args, repeat=repeat, warmup=warmup, **kwargs))
