@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import blocksparse
 from ._checks import as_float_array, causal_offset, check_qkv, check_scale
 
 
@@ -18,27 +19,43 @@ def causal_mask(n: int, m: int) -> np.ndarray:
     return j <= i + causal_offset(n, m)
 
 
-def scores(Q, K, *, causal: bool = False, scale: float | None = None) -> np.ndarray:
-    """Scaled scores S = scale * Q K^T in float64, masked entries set to -inf."""
+def visible(n: int, m: int, *, causal: bool = False, mask=None) -> np.ndarray | None:
+    """The (n, m) boolean matrix of pairs a query may see, or None when every pair is visible.
+
+    ``mask`` is an (n, m) boolean array or a pattern of :mod:`flashlab.blocksparse`; with ``causal`` as well,
+    a pair must be visible to both.
+    """
+    seen = None if mask is None else blocksparse.as_pattern(mask).mask(n, m)
+    if causal:
+        seen = causal_mask(n, m) if seen is None else seen & causal_mask(n, m)
+    return seen
+
+
+def scores(Q, K, *, causal: bool = False, scale: float | None = None, mask=None) -> np.ndarray:
+    """Scaled scores S = scale * Q K^T in float64, masked entries set to -inf (see :func:`visible`)."""
     Q = np.asarray(Q, dtype=np.float64)
     K = np.asarray(K, dtype=np.float64)
     S = check_scale(scale, Q.shape[-1]) * (Q @ np.swapaxes(K, -1, -2))
-    if causal:
-        S = np.where(causal_mask(Q.shape[-2], K.shape[-2]), S, -np.inf)
+    seen = visible(Q.shape[-2], K.shape[-2], causal=causal, mask=mask)
+    if seen is not None:
+        S = np.where(seen, S, -np.inf)
     return S
 
 
-def attention(Q, K, V, causal: bool = False, scale: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+def attention(Q, K, V, causal: bool = False, scale: float | None = None, *,
+              mask=None) -> tuple[np.ndarray, np.ndarray]:
     """Exact attention in float64.
 
     Q is (..., n, d); K is (..., m, d) and V is (..., m, dv). K and V may have fewer heads (axis -3) than Q
-    when that number divides Q's (grouped-query attention). ``scale`` defaults to 1/sqrt(d).
+    when that number divides Q's (grouped-query attention). ``scale`` defaults to 1/sqrt(d). ``mask`` (an
+    (n, m) boolean array, True where query i sees key j, or a :mod:`flashlab.blocksparse` pattern) hides the
+    other pairs, in every head; with ``causal`` too, a pair must pass both.
 
     Returns ``(O, L)``: O (..., n, dv) and L (..., n), the logsumexp of each row of scaled scores. A row that
-    can see no key (causal with n > m) gets O = 0 and L = -inf.
+    can see no key (causal with n > m, or a mask's empty row) gets O = 0 and L = -inf.
     """
     Q, K, V = check_qkv(Q, K, V, allow_gqa=True)
-    S = scores(Q, K, causal=causal, scale=scale)
+    S = scores(Q, K, causal=causal, scale=scale, mask=mask)
     row_max = S.max(axis=-1, keepdims=True)
     safe_max = np.where(np.isfinite(row_max), row_max, 0.0)
     P = np.exp(S - safe_max)
@@ -49,12 +66,12 @@ def attention(Q, K, V, causal: bool = False, scale: float | None = None) -> tupl
     return O, L
 
 
-def softmax_matrix(Q, K, *, causal: bool = False, scale: float | None = None) -> np.ndarray:
-    """The full attention matrix P = softmax(S) in float64.
+def softmax_matrix(Q, K, *, causal: bool = False, scale: float | None = None, mask=None) -> np.ndarray:
+    """The full attention matrix P = softmax(S) in float64 (masked as in :func:`scores`).
 
     This is what standard attention stores and FlashAttention never does.
     """
-    S = scores(Q, K, causal=causal, scale=scale)
+    S = scores(Q, K, causal=causal, scale=scale, mask=mask)
     row_max = S.max(axis=-1, keepdims=True)
     P = np.exp(S - np.where(np.isfinite(row_max), row_max, 0.0))
     total = P.sum(axis=-1, keepdims=True)

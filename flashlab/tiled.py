@@ -8,13 +8,17 @@ Two loop orders compute the same thing:
   its state never leaves "SRAM" until it is finished.
 
 Neither ever holds more than one ``block_q x block_k`` tile of scores.
+
+With a causal mask or a block-sparse pattern (``mask=``, see :mod:`flashlab.blocksparse`), each tile is one of
+three kinds: EMPTY tiles are skipped (never loaded, never computed), FULL tiles are computed with no mask, and
+only PARTIAL tiles are masked element by element.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import online
+from . import blocksparse, online
 from ._checks import causal_offset, check_block, check_qkv, check_scale
 
 LOOP_ORDERS = ("kv_outer", "q_outer")
@@ -29,9 +33,27 @@ def _score_tile(Qi, Kj, scale, causal, q0, k0, offset):
     return S
 
 
-def _tile_masked(q1, k0, causal, offset):
-    """True when every key of the tile lies after every query's last visible key, so it can be skipped."""
-    return causal and k0 > (q1 - 1) + offset
+def _block_mask(n, m, block_q, block_k, causal, mask) -> blocksparse.BlockMask:
+    """The kind of every tile: the pattern's, intersected with causal when both are asked for."""
+    if mask is None:
+        pattern = blocksparse.causal() if causal else blocksparse.Window(None, None)
+    else:
+        pattern = blocksparse.as_pattern(mask)
+        if causal:
+            pattern = pattern & blocksparse.causal()
+    return pattern.block_mask(n, m, block_q, block_k)
+
+
+def _masked_tile(tiles, i, j, Qi, Kj, scale, causal, mask, offset):
+    """Scores of a computed tile: no mask on a FULL tile, the element mask on a PARTIAL one."""
+    q0, _, k0, _ = tiles.bounds(i, j)
+    partial = tiles.kinds[i, j] == blocksparse.PARTIAL
+    if mask is None:  # causal alone: the tile masks itself from its indices
+        return _score_tile(Qi, Kj, scale, causal and partial, q0, k0, offset)
+    S = _score_tile(Qi, Kj, scale, False, q0, k0, offset)
+    if partial:
+        S = np.where(tiles.tile_mask(i, j), S, np.asarray(-np.inf, dtype=S.dtype))
+    return S
 
 
 def forward(
@@ -44,11 +66,14 @@ def forward(
     causal: bool = False,
     scale: float | None = None,
     loop_order: str = "kv_outer",
+    mask=None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Tiled exact attention. Same arguments and results as :func:`flashlab.reference.attention`.
 
     Q is (..., n, d), K (..., m, d), V (..., m, dv), float32 or float64 (the result keeps the dtype).
-    Returns ``(O, L)`` with L the logsumexp of each row of scaled scores.
+    ``mask`` is an (n, m) boolean array or a :mod:`flashlab.blocksparse` pattern (combined with ``causal``
+    when both are given): tiles it hides entirely are skipped, tiles it shows entirely are computed unmasked.
+    Returns ``(O, L)`` with L the logsumexp of each row of scaled scores (-inf for a row that sees no key).
     """
     Q, K, V = check_qkv(Q, K, V, allowed=(np.float32, np.float64))
     block_q = check_block(block_q, "block_q")
@@ -61,19 +86,20 @@ def forward(
     scale = dtype.type(check_scale(scale, Q.shape[-1]))
     offset = causal_offset(n, m)
     batch = Q.shape[:-2]
-    q_blocks = [(q0, min(q0 + block_q, n)) for q0 in range(0, n, block_q)]
-    k_blocks = [(k0, min(k0 + block_k, m)) for k0 in range(0, m, block_k)]
+    tiles = _block_mask(n, m, block_q, block_k, causal, mask)
+    q_blocks = list(enumerate((q0, min(q0 + block_q, n)) for q0 in range(0, n, block_q)))
+    k_blocks = list(enumerate((k0, min(k0 + block_k, m)) for k0 in range(0, m, block_k)))
 
     O = np.zeros(batch + (n, dv), dtype=dtype)
     L = np.empty(batch + (n,), dtype=dtype)
 
     if loop_order == "q_outer":
-        for q0, q1 in q_blocks:
+        for i, (q0, q1) in q_blocks:
             state = online.init(batch + (q1 - q0,), dv, dtype)
-            for k0, k1 in k_blocks:
-                if _tile_masked(q1, k0, causal, offset):
-                    break
-                S = _score_tile(Q[..., q0:q1, :], K[..., k0:k1, :], scale, causal, q0, k0, offset)
+            for j, (k0, k1) in k_blocks:
+                if tiles.kinds[i, j] == blocksparse.EMPTY:
+                    continue
+                S = _masked_tile(tiles, i, j, Q[..., q0:q1, :], K[..., k0:k1, :], scale, causal, mask, offset)
                 state = online.update(state, S, V[..., k0:k1, :])
             O[..., q0:q1, :] = state.result()
             L[..., q0:q1] = state.logsumexp()
@@ -82,13 +108,13 @@ def forward(
     # kv_outer: the paper keeps O normalised in HBM, together with l and m, and rescales on every visit.
     l_hbm = np.zeros(batch + (n,), dtype=dtype)
     m_hbm = np.full(batch + (n,), -np.inf, dtype=dtype)
-    for k0, k1 in k_blocks:
-        for q0, q1 in q_blocks:
-            if _tile_masked(q1, k0, causal, offset):
+    for j, (k0, k1) in k_blocks:
+        for i, (q0, q1) in q_blocks:
+            if tiles.kinds[i, j] == blocksparse.EMPTY:
                 continue
             li, mi = l_hbm[..., q0:q1], m_hbm[..., q0:q1]
             state = online.State(mi, li, O[..., q0:q1, :] * li[..., None])
-            S = _score_tile(Q[..., q0:q1, :], K[..., k0:k1, :], scale, causal, q0, k0, offset)
+            S = _masked_tile(tiles, i, j, Q[..., q0:q1, :], K[..., k0:k1, :], scale, causal, mask, offset)
             state = online.update(state, S, V[..., k0:k1, :])
             O[..., q0:q1, :] = state.result()
             l_hbm[..., q0:q1] = state.l
