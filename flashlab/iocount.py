@@ -31,6 +31,13 @@ Algorithms (self-attention, one head: Q, K, V are ``n x d``; ``T_r = ceil(n / B_
 * ``"q_outer"`` — FlashAttention-2's order: one Q block and its O accumulator stay on chip while every K/V
   block streams past; O and L are written once.
 
+Block-sparse attention (chapter 3, last section): the tiled orders take ``mask=``, a pattern of
+:mod:`flashlab.blocksparse` (or an ``n x n`` boolean mask). Its block mask over the ``B_r x B_c`` tiles decides
+what moves: an EMPTY tile is never loaded or computed, and a block of K/V (kv_outer) or of Q (q_outer) that no
+computed tile needs is never loaded; PARTIAL and FULL tiles cost the same traffic and FLOPs (the element mask of
+a partial tile is computed from the indices, on chip, as the causal mask is). :func:`predict` sums the per-tile
+costs over the block mask; :func:`count` runs the algorithm with the tiles skipped.
+
 The backward passes (the paper's Algorithms 3 and 4) are modelled the same way: :func:`count_backward` runs them
 through the counter, :func:`predict_backward` gives their closed forms (chapter 3, section 8).
 
@@ -49,7 +56,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import online, reference
+from . import blocksparse, online, reference
 from ._checks import check_block
 
 ALGORITHMS = ("standard", "kv_outer", "q_outer")
@@ -181,8 +188,36 @@ def _sram_need(algorithm, n, d, sram, b_r, b_c) -> int:
     return 2 * (r + c) * d
 
 
+def _tiles(algorithm, n, b_r, b_c, mask) -> blocksparse.BlockMask | None:
+    """The block mask of ``mask`` over the algorithm's tiles, or None for dense attention."""
+    if mask is None:
+        return None
+    if algorithm not in ("kv_outer", "q_outer"):
+        raise ValueError(f"mask= skips tiles of the tiled orders (kv_outer, q_outer); {algorithm!r} computes all of S")
+    return blocksparse.as_pattern(mask).block_mask(n, n, b_r, b_c)
+
+
+def _predict_sparse(algorithm, n, d, sram, tiles: blocksparse.BlockMask) -> Counts:
+    """Per-tile costs summed over the computed (non-EMPTY) tiles of the block mask."""
+    r, c, done = tiles.heights(), tiles.widths(), tiles.computed
+    elements = int(r @ done @ c)  # score elements computed: sum of r_i c_j over computed tiles
+    tile_rows = int(done.sum(axis=1) @ r)  # sum of r_i over computed tiles: rows of Q_i (and O_i, l_i, m_i) visited
+    tile_cols = int(done.sum(axis=0) @ c)  # sum of c_j over computed tiles: rows of K_j and V_j streamed
+    need = int(2 * d * (r[:, None] + c[None, :])[done].max()) if done.any() else 0
+    if need > sram:
+        raise SramOverflow(f"{algorithm} with blocks B_r={tiles.block_q}, B_c={tiles.block_k}, d={d} holds {need} "
+                           f"elements > M = {sram}")
+    flops, exps = 4 * d * elements, elements + tile_rows
+    if algorithm == "kv_outer":
+        kv_loaded = int(c[done.any(axis=0)].sum())  # key blocks some computed tile needs
+        reads = 2 * d * kv_loaded + (2 * d + 2) * tile_rows
+        return Counts(reads, n * d + 2 * n + (d + 2) * tile_rows, flops, exps, need)
+    q_loaded = int(r[done.any(axis=1)].sum())  # query blocks that see some key
+    return Counts(d * q_loaded + 2 * d * tile_cols, n * d + n, flops, exps, need)
+
+
 def predict(algorithm: str, n: int, d: int, *, sram: int, block_q: int | None = None,
-            block_k: int | None = None) -> Counts:
+            block_k: int | None = None, mask=None) -> Counts:
     """Closed-form counts of ``algorithm`` on one ``n x d`` head with an SRAM of ``sram`` elements.
 
     Same arguments as :func:`count`; raises :class:`SramOverflow` when the blocks do not fit.
@@ -195,9 +230,18 @@ def predict(algorithm: str, n: int, d: int, *, sram: int, block_q: int | None = 
 
     FLOPs are ``4 n^2 d`` for all three; exps are ``n^2 + n T_c`` for the tiled orders (one rescale factor per
     row per visited tile) and for standard ``n^2`` (``2 n^2 + n T_c`` when S is streamed twice).
+
+    With ``mask`` (tiled orders only; see the module docstring), sums over the computed tiles (i, j) of heights
+    ``r_i`` and widths ``c_j``: FLOPs ``4 d sum(r_i c_j)``, exps ``sum(r_i c_j + r_i)``;
+    kv_outer reads ``2d sum(c_j over needed K/V blocks) + (2d + 2) sum(r_i)``, writes ``nd + 2n + (d + 2) sum(r_i)``;
+    q_outer reads ``d sum(r_i over needed Q blocks) + 2d sum(c_j)``, writes ``nd + n``. Dense attention is the
+    case where every tile is computed.
     """
     n, d, sram = _check_sizes(n, d, sram)
     b_r, b_c = _blocks(algorithm, n, d, sram, block_q, block_k)
+    tiles = _tiles(algorithm, n, b_r, b_c, mask)
+    if tiles is not None:
+        return _predict_sparse(algorithm, n, d, sram, tiles)
     need = _sram_need(algorithm, n, d, sram, b_r, b_c)
     if need > sram:
         raise SramOverflow(f"{algorithm} with blocks B_r={b_r}, B_c={b_c}, d={d} holds {need} elements > M = {sram}")
@@ -274,24 +318,41 @@ def _standard(hbm, sram, tally, n, d, b_r, b_c, scale):
         sram.free(Oi)
 
 
-def _tile_update(tally, state, Qi, Kj, Vj, scale):
+def _tile_update(tally, state, Qi, Kj, Vj, scale, keep=None):
     Sij = scale * tally.matmul(Qi, Kj.T)
+    if keep is not None:  # a PARTIAL tile: its element mask, computed on chip from the indices
+        Sij = np.where(keep, Sij, -np.inf)
     tally.exps += Sij.size + Sij.shape[0]  # the tile's exps and one rescale factor per row
     tally.flops += 2 * Sij.size * Vj.shape[1]  # P_ij V_j, done inside online.update
     return online.update(state, Sij, Vj)
 
 
-def _kv_outer(hbm, sram, tally, n, d, b_r, b_c, scale):
+def _computed(tiles, i, j) -> bool:
+    return tiles is None or tiles.kinds[i, j] != blocksparse.EMPTY
+
+
+def _keep(tiles, i, j):
+    """The element mask of a PARTIAL tile; None for a FULL one (no mask applied)."""
+    if tiles is None or tiles.kinds[i, j] == blocksparse.FULL:
+        return None
+    return tiles.tile_mask(i, j)
+
+
+def _kv_outer(hbm, sram, tally, n, d, b_r, b_c, scale, tiles=None):
     Q, K, V, O, l, m = (hbm[k] for k in ("Q", "K", "V", "O", "l", "m"))
     O.write(np.s_[:], np.zeros((n, d)))
     l.write(np.s_[:], np.zeros(n))
     m.write(np.s_[:], np.full(n, -np.inf))
-    for c0, c1 in _ranges(n, b_c):
+    rows = list(enumerate(_ranges(n, b_r)))
+    for j, (c0, c1) in enumerate(_ranges(n, b_c)):
+        visits = [(i, r) for i, r in rows if _computed(tiles, i, j)]
+        if not visits:
+            continue  # no query sees these keys: K_j and V_j are never loaded
         Kj, Vj = sram.load(K, np.s_[c0:c1]), sram.load(V, np.s_[c0:c1])
-        for r0, r1 in _ranges(n, b_r):
+        for i, (r0, r1) in visits:
             Qi, Oi = sram.load(Q, np.s_[r0:r1]), sram.load(O, np.s_[r0:r1])
             li, mi = l.read(np.s_[r0:r1]), m.read(np.s_[r0:r1])
-            state = _tile_update(tally, online.State(mi, li, Oi * li[:, None]), Qi, Kj, Vj, scale)
+            state = _tile_update(tally, online.State(mi, li, Oi * li[:, None]), Qi, Kj, Vj, scale, _keep(tiles, i, j))
             O.write(np.s_[r0:r1], state.result())
             l.write(np.s_[r0:r1], state.l)
             m.write(np.s_[r0:r1], state.m)
@@ -299,14 +360,20 @@ def _kv_outer(hbm, sram, tally, n, d, b_r, b_c, scale):
         sram.free(Kj, Vj)
 
 
-def _q_outer(hbm, sram, tally, n, d, b_r, b_c, scale):
+def _q_outer(hbm, sram, tally, n, d, b_r, b_c, scale, tiles=None):
     Q, K, V, O, L = (hbm[k] for k in ("Q", "K", "V", "O", "L"))
-    for r0, r1 in _ranges(n, b_r):
+    cols = list(enumerate(_ranges(n, b_c)))
+    for i, (r0, r1) in enumerate(_ranges(n, b_r)):
+        visits = [(j, c) for j, c in cols if _computed(tiles, i, j)]
+        if not visits:  # these queries see no key: O_i = 0 and L_i = -inf, Q_i is never loaded
+            O.write(np.s_[r0:r1], np.zeros((r1 - r0, d)))
+            L.write(np.s_[r0:r1], np.full(r1 - r0, -np.inf))
+            continue
         Qi, Oi = sram.load(Q, np.s_[r0:r1]), sram.alloc((r1 - r0, d))
         state = online.State(np.full(r1 - r0, -np.inf), np.zeros(r1 - r0), Oi)
-        for c0, c1 in _ranges(n, b_c):
+        for j, (c0, c1) in visits:
             Kj, Vj = sram.load(K, np.s_[c0:c1]), sram.load(V, np.s_[c0:c1])
-            state = _tile_update(tally, state, Qi, Kj, Vj, scale)
+            state = _tile_update(tally, state, Qi, Kj, Vj, scale, _keep(tiles, i, j))
             sram.free(Kj, Vj)
         O.write(np.s_[r0:r1], state.result())
         L.write(np.s_[r0:r1], state.logsumexp())
@@ -317,10 +384,12 @@ _RUNNERS = {"standard": _standard, "kv_outer": _kv_outer, "q_outer": _q_outer}
 
 
 def run(algorithm: str, Q, K, V, *, sram: int, block_q: int | None = None,
-        block_k: int | None = None) -> tuple[np.ndarray, Counts]:
+        block_k: int | None = None, mask=None) -> tuple[np.ndarray, Counts]:
     """Run ``algorithm`` on one head (Q, K, V all ``n x d``) through HBM and an SRAM of ``sram`` elements.
 
-    Returns ``(O, counts)``. Raises :class:`SramOverflow` if the blocks make it hold more than ``sram``.
+    ``mask`` (tiled orders only) is a :mod:`flashlab.blocksparse` pattern or an ``n x n`` boolean mask: EMPTY
+    tiles are skipped. Returns ``(O, counts)``. Raises :class:`SramOverflow` if the blocks make it hold more
+    than ``sram``.
     """
     Q, K, V = (np.asarray(x, dtype=np.float64) for x in (Q, K, V))
     if Q.ndim != 2 or Q.shape != K.shape or Q.shape != V.shape:
@@ -328,6 +397,7 @@ def run(algorithm: str, Q, K, V, *, sram: int, block_q: int | None = None,
     n, d = Q.shape
     n, d, sram = _check_sizes(n, d, sram)
     b_r, b_c = _blocks(algorithm, n, d, sram, block_q, block_k)
+    tiles = _tiles(algorithm, n, b_r, b_c, mask)
     hbm = {"Q": HBM("Q", Q), "K": HBM("K", K), "V": HBM("V", V), "O": HBM("O", np.zeros((n, d)))}
     if algorithm == "standard":
         hbm["S"] = HBM("S", np.zeros((n, n)))
@@ -336,7 +406,11 @@ def run(algorithm: str, Q, K, V, *, sram: int, block_q: int | None = None,
     else:
         hbm["L"] = HBM("L", np.zeros(n))
     chip, tally = SRAM(sram), _Tally()
-    _RUNNERS[algorithm](hbm, chip, tally, n, d, b_r, b_c, 1.0 / math.sqrt(d))
+    args = (hbm, chip, tally, n, d, b_r, b_c, 1.0 / math.sqrt(d))
+    if tiles is None:
+        _RUNNERS[algorithm](*args)
+    else:
+        _RUNNERS[algorithm](*args, tiles)
     if chip.used != 0:
         raise RuntimeError(f"{algorithm} left {chip.used} elements in SRAM")  # a bug in this module, not the caller's
     reads = sum(a.reads for a in hbm.values())
@@ -345,18 +419,18 @@ def run(algorithm: str, Q, K, V, *, sram: int, block_q: int | None = None,
 
 
 def count(algorithm: str, n: int, d: int, *, sram: int, block_q: int | None = None,
-          block_k: int | None = None, seed: int = 0) -> Counts:
+          block_k: int | None = None, seed: int = 0, mask=None) -> Counts:
     """Count the HBM reads and writes, FLOPs and exps of ``algorithm`` on random ``n x d`` Q, K, V.
 
     ``algorithm`` is "standard", "kv_outer" or "q_outer"; ``sram`` is M in elements; blocks default to the
-    paper's (see the module docstring). The output O is checked against the float64 reference, so a count
-    always belongs to a run that computed attention correctly.
+    paper's (see the module docstring); ``mask`` as for :func:`run`. The output O is checked against the float64
+    reference (with the same mask), so a count always belongs to a run that computed attention correctly.
     """
     n, d, sram = _check_sizes(n, d, sram)
     rng = np.random.default_rng(seed)
     Q, K, V = (rng.standard_normal((n, d)) for _ in range(3))
-    O, counts = run(algorithm, Q, K, V, sram=sram, block_q=block_q, block_k=block_k)
-    O_ref, _ = reference.attention(Q, K, V)
+    O, counts = run(algorithm, Q, K, V, sram=sram, block_q=block_q, block_k=block_k, mask=mask)
+    O_ref, _ = reference.attention(Q, K, V, mask=mask)
     err = np.abs(O - O_ref).max()
     if not err <= 1e-12:
         raise RuntimeError(f"{algorithm} computed a wrong O through the counter (max error {err:.3g})")
