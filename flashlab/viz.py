@@ -269,3 +269,59 @@ def plot_causal_masks(shapes: Sequence[tuple[int, int]], *, axes=None):
     fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=8)
     fig.suptitle("Causal mask: the last query is aligned with the last key", fontsize=10)
     return fig
+
+
+def plot_block_masks(patterns: dict, n: int, m: int, block_q: int, block_k: int, *, axes=None):
+    """One panel per pattern: its element mask over S, and its tiles coloured by kind.
+
+    ``patterns`` maps a title to a :mod:`flashlab.blocksparse` pattern (or an (n, m) boolean mask). Visible pairs
+    are drawn dark; EMPTY tiles are hatched grey (never loaded), FULL tiles light (computed with no mask), PARTIAL
+    tiles keep the element mask on view inside an orange frame (masked element by element). The tiles come from
+    the pattern's own :meth:`~flashlab.blocksparse.Pattern.block_mask`, the one the tiled forward uses.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch, Rectangle
+
+    from . import blocksparse
+
+    if not patterns:
+        raise ValueError("need at least one pattern")
+    if axes is None:
+        fig, axes = plt.subplots(1, len(patterns), figsize=(3.4 * len(patterns), 4.2), constrained_layout=True,
+                                 squeeze=False)
+        axes = axes[0]
+    if len(axes) != len(patterns):
+        raise ValueError(f"need one axes per pattern ({len(patterns)}); got {len(axes)}")
+    fig = axes[0].figure
+    visible = "#08519c"
+    for ax, (title, pattern) in zip(axes, patterns.items(), strict=True):
+        pattern = blocksparse.as_pattern(pattern)
+        tiles = pattern.block_mask(n, m, block_q, block_k)
+        ax.imshow(pattern.mask(n, m), cmap=ListedColormap([TODO, visible]), vmin=0, vmax=1,
+                  extent=(0, m, n, 0), interpolation="nearest")
+        for i in range(tiles.shape[0]):
+            for j in range(tiles.shape[1]):
+                q0, q1, k0, k1 = tiles.bounds(i, j)
+                kind = tiles.kinds[i, j]
+                if kind == blocksparse.EMPTY:
+                    patch = Rectangle((k0, q0), k1 - k0, q1 - q0, facecolor=SKIPPED, edgecolor="k", lw=0.4, hatch="//")
+                elif kind == blocksparse.FULL:
+                    patch = Rectangle((k0, q0), k1 - k0, q1 - q0, facecolor=DONE, edgecolor="k", lw=0.4)
+                else:
+                    patch = Rectangle((k0, q0), k1 - k0, q1 - q0, fill=False, edgecolor=CURRENT, lw=1.4)
+                ax.add_patch(patch)
+        counts = tiles.counts()
+        ax.set_title(f"{title}\n{counts['full']} full, {counts['partial']} partial, {counts['empty']} empty",
+                     fontsize=9)
+        ax.set_xlim(0, m)
+        ax.set_ylim(n, 0)  # row 0 of S at the top, as the matrix is written
+        ax.set_xlabel("key index j")
+        ax.set_ylabel("query index i")
+    handles = [Patch(facecolor=SKIPPED, edgecolor="k", hatch="//", label="EMPTY: skipped"),
+               Patch(facecolor=DONE, edgecolor="k", label="FULL: no mask"),
+               Patch(facecolor=TODO, edgecolor=CURRENT, lw=1.4, label="PARTIAL: masked per element"),
+               Patch(facecolor=visible, label="query i sees key j")]
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=8)
+    fig.suptitle(f"Tiles of S (n = {n}, m = {m}, block_q = {block_q}, block_k = {block_k})", fontsize=10)
+    return fig
