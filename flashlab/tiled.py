@@ -36,7 +36,7 @@ def _score_tile(Qi, Kj, scale, causal, q0, k0, offset):
 def _block_mask(n, m, block_q, block_k, causal, mask) -> blocksparse.BlockMask:
     """The kind of every tile: the pattern's, intersected with causal when both are asked for."""
     if mask is None:
-        pattern = blocksparse.causal() if causal else blocksparse.Window(None, None)
+        pattern = blocksparse.causal() if causal else blocksparse.Window(None, None)  # the latter: every pair
     else:
         pattern = blocksparse.as_pattern(mask)
         if causal:
