@@ -65,12 +65,16 @@ def stand_in(monkeypatch):
             return Kernel(name)
 
     cp.RawModule = RawModule
-    for name in ("empty", "empty_like", "zeros", "full", "asarray"):
-        def counted(*a, _f=getattr(cp, name) if name == "asarray" else getattr(np, name), **k):
+    def counting(allocate):
+        def counted(*a, **k):
             counts.allocations += 1
-            return hostemu._wrap(_f(*a, **k))
+            return hostemu._wrap(allocate(*a, **k))
 
-        setattr(cp, name, counted)
+        return counted
+
+    for name in ("empty", "empty_like", "zeros", "full"):
+        setattr(cp, name, counting(getattr(np, name)))
+    cp.asarray = counting(cp.asarray)
     real_read = pathlib.Path.read_text
 
     def read_text(self, *a, **k):
