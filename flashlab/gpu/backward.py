@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from .._checks import causal_offset, check_scale
 
-if TYPE_CHECKING:
-    from . import Workspace
+# flashlab.gpu imports this module after defining these (at its end); bound once, not on every call
+from . import Workspace, _check_half_launch, _check_inputs, _check_out, _cupy, kernel_function
 
 KERNEL_FILE = "bwd_r1_smem.cu"  # kernels 1 and 3, and the scalar main kernel
 MMA_FILE = "bwd_r2_mma.cu"  # the main kernel on tensor cores
@@ -103,8 +103,6 @@ def numpy_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: float | 
 
 
 def _kernels(dt: str, d: int, kernel: str):
-    from . import kernel_function
-
     mk = MAIN_KERNELS[kernel]
     return (kernel_function(KERNEL_FILE, f"bwd_dot_{dt}_d{d}"),
             kernel_function(mk.file, f"{mk.stem}_{dt}_d{d}", shared_bytes=mk.shared_bytes(d)),
@@ -129,8 +127,6 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: floa
     ``flashlab.gpu.Workspace``) keeps the fp32 dq accumulator and the D vector from call to call. With both, a
     call allocates nothing.
     """
-    from . import _check_half_launch, _check_inputs, _check_out, _cupy
-
     cp = _cupy()
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be True or False; got {causal!r}")

@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from .. import reference
 from .._checks import check_scale
 
-if TYPE_CHECKING:
-    from . import Workspace
+# flashlab.gpu imports this module after defining these (at its end); bound once, not on every call
+from . import Workspace, _check_half_launch, _check_inputs, _check_out, _cupy, kernel_function, sm_count
 
 KERNEL_FILE = "decode_r1_split.cu"  # the "rows" split kernel and the merge kernel both versions use
 KEYS_FILE = "decode_r2_warp_keys.cu"
@@ -141,8 +141,6 @@ def resolve_num_splits(batch: int, heads: int, kv_heads: int, n: int, m: int, nu
 
 # ------------------------------------------------------------------------------------------------ GPU: launch
 def _kernels(dt: str, d: int, kernel: str, rows: int):
-    from . import kernel_function
-
     merge = kernel_function(KERNEL_FILE, f"decode_merge_{dt}_d{d}")
     if kernel == "rows":
         return kernel_function(KERNEL_FILE, f"decode_split_{dt}_d{d}"), merge
@@ -192,8 +190,6 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     workspace are its buffers, overwritten by the next call). With both and the default ``lengths``, a decoding
     step allocates nothing and launches two kernels.
     """
-    from . import _check_half_launch, _check_inputs, _check_out, _cupy, sm_count
-
     cp = _cupy()
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be True or False; got {causal!r}")
