@@ -15,6 +15,12 @@ The kernels form a ladder (chapters 6 and 7), one file per rung, each a readable
 ``attention(q, k, v)`` checks its inputs, picks a rung and launches it. This module imports without CuPy (the
 course runs on CPU machines); only calling a GPU function needs CuPy and a GPU.
 
+The host path of a call is kept short: each kernel is compiled, loaded and configured once per (file, defines,
+function, device) by ``kernel_function`` and then found in a dictionary (no file read, no module built, no
+attribute set on later calls); ``out=`` on ``attention``, ``attention_backward`` and ``decode`` writes into the
+caller's arrays, and a ``Workspace`` keeps the scratch buffers of the backward and of decoding from call to call.
+``python -m flashlab bench host`` measures what a call costs the host.
+
 bfloat16: CuPy has no bfloat16 dtype (cupy/cupy#7527). bf16 tensors therefore travel as their raw 16-bit
 patterns in ``uint16`` arrays, and ``attention(..., bf16=True)`` says how to read them; ``to_bf16`` and
 ``from_bf16`` convert from and to float32 on the GPU. From NumPy with ml_dtypes: ``cupy.asarray(a.view(np.uint16))``;
