@@ -8,7 +8,8 @@ the one place that knows the format:
   ``"throughput"`` (calls back to back, each bracketed by its pair of events: the GPU never idles between calls,
   so a call's time is its GPU time) or ``"latency"`` (one public call, then synchronize, each call on an idle
   GPU: the time a caller waits, launch overhead included); :data:`MIN_REPEAT` is the fewest timed runs a median
-  may come from;
+  may come from; :func:`protocol_of` reads a row's protocol (a row recorded before rows named one is
+  throughput); :func:`host_times` measures what a call costs the host;
 * provenance: :func:`base_provenance` (date, command, Python, NumPy) and :func:`gpu_provenance` (GPU, driver,
   CUDA, CuPy, PyTorch, cuDNN, git commit, hashes of the kernel sources);
 * files: :func:`write_record`, :func:`read_record` (``read_record("benchmarks/ladder")`` is
@@ -27,6 +28,7 @@ import platform
 import shlex
 import statistics
 import subprocess
+import time
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -90,6 +92,32 @@ def median_ms(fn: Callable[[], object], repeat: int, warmup: int, *, kind: str =
               protocol: str = "throughput") -> float:
     """The median of :func:`cuda_times`: the number a benchmark row records."""
     return statistics.median(cuda_times(fn, repeat, warmup, kind=kind, protocol=protocol))
+
+
+def protocol_of(row: dict) -> str:
+    """The timing protocol of a recorded row: its ``protocol`` field, or ``"throughput"`` for the rows recorded
+    before rows carried one (every benchmark then timed back-to-back calls; CONTRIBUTING.md, Benchmarks)."""
+    return row.get("protocol", "throughput")
+
+
+def host_times(fn: Callable[[], object], repeat: int, warmup: int, *, sync: Callable[[], None]) -> list[float]:
+    """Microseconds of host (wall-clock) time of ``repeat`` calls of ``fn``, after ``warmup`` untimed ones.
+
+    The clock brackets the Python call alone: nothing inside it waits for the GPU. ``sync()`` runs after each
+    call, outside the clock, so that every call finds an empty launch queue (a full queue would make a launch
+    wait for the GPU, and the time would be the GPU's).
+    """
+    for _ in range(warmup):
+        fn()
+        sync()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter_ns()
+        fn()
+        t1 = time.perf_counter_ns()
+        sync()
+        times.append((t1 - t0) / 1e3)
+    return times
 
 
 # -------------------------------------------------------------------------------------------------- provenance

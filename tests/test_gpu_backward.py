@@ -223,6 +223,35 @@ def test_dk_dv_are_deterministic_and_dq_nearly(rng, kernel):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", gbwd.KERNELS)
+def test_out_and_a_dirty_workspace_give_the_same_gradients(rng, kernel):
+    """out= receives the gradients; a reused workspace whose dq accumulator and D vector hold NaN from 'an earlier
+    call' is cleared: dk, dv bit for bit as a plain call, dq within one fp16 step (atomics)."""
+    import cupy as cp
+
+    import flashlab.gpu as fgpu
+
+    ws = fgpu.Workspace()
+    for shape_q, shape_k, causal in (((1, 4, 300, 64), (1, 2, 300, 64), False), ((2, 2, 77, 128), (2, 1, 131, 128),
+                                                                                  True)):
+        q, do = (cp.asarray(rng.standard_normal(shape_q).astype(np.float16)) for _ in range(2))
+        k, v = (cp.asarray(rng.standard_normal(shape_k).astype(np.float16)) for _ in range(2))
+        o, lse = fgpu.attention(q, k, v, causal=causal)
+        want = fgpu.attention_backward(q, k, v, o, lse, do, causal=causal, kernel=kernel)
+        out = tuple(cp.full(x.shape, np.nan, dtype=x.dtype) for x in (q, k, v))
+        ws.get("bwd_dq_acc", q.shape, cp.float32).fill(np.nan)
+        ws.get("bwd_d", q.shape[:-1], cp.float32).fill(np.nan)
+        got = fgpu.attention_backward(q, k, v, o, lse, do, causal=causal, kernel=kernel, out=out, workspace=ws)
+        assert all(a is b for a, b in zip(got, out, strict=True))
+        np.testing.assert_array_equal(got[1].get(), want[1].get())
+        np.testing.assert_array_equal(got[2].get(), want[2].get())
+        top = max(1.0, float(cp.abs(want[0].astype(cp.float32)).max()))
+        assert float(cp.abs(got[0].astype(cp.float32) - want[0].astype(cp.float32)).max()) <= 2e-3 * top
+    with pytest.raises(ValueError, match="out\\[1\\]"):
+        fgpu.attention_backward(q, k, v, o, lse, do, causal=causal, out=(out[0], out[0], out[2]))
+
+
+@pytest.mark.gpu
 def test_naive_cupy_backward_agrees_with_the_kernel(rng):
     import cupy as cp
 

@@ -129,6 +129,7 @@ def _gpu_helpers():
 
 def _check_decode(rng, dt, B, H, Hk, n, m, d, causal, num_splits, lengths, magnitude=1.0, scale=None,
                   kernel="keys"):
+    # lengths of m for every batch element are passed as the default (None: a null pointer in the kernels)
     import cupy as cp
 
     import flashlab.gpu as fgpu
@@ -147,7 +148,8 @@ def _check_decode(rng, dt, B, H, Hk, n, m, d, causal, num_splits, lengths, magni
                                                  v[b:b + 1, :, : lengths[b]], causal, sc, dt)
             O_nv[b], L_nv[b] = o_b[0], l_b[0]
     qg, kg, vg = (tga._to_gpu(x, dt) for x in (q, k, v))
-    o, lse, o_parts, lse_parts = fgpu.decode(qg, kg, vg, num_splits=num_splits, lengths=lengths, causal=causal,
+    given = None if all(int(x) == m for x in lengths) else lengths
+    o, lse, o_parts, lse_parts = fgpu.decode(qg, kg, vg, num_splits=num_splits, lengths=given, causal=causal,
                                              scale=scale, bf16=dt == "bf16", return_partials=True, kernel=kernel)
     cp.cuda.Device().synchronize()
     O, L = tga._from_gpu(o, dt), lse.get().astype(np.float64)
@@ -317,3 +319,31 @@ def test_lab08_package_merge_is_right_but_not_a_student_s_answer():
         assert run_question("lab08", "q1", [merge]).score == 4
     result = run_question("lab08", "q1", [merge])
     assert result.score == 0 and "calls flashlab.gpu.decoding.merge_partials" in result.feedback
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", decoding.KERNELS)
+def test_default_lengths_out_and_workspace_give_the_same_result(rng, kernel):
+    """lengths=None reaches the kernels as a null pointer ("all m keys"): the same bits as lengths=[m] * B, also
+    written into poisoned out= arrays through a workspace that an earlier call with other splits left dirty."""
+    import cupy as cp
+
+    import flashlab.gpu as fgpu
+
+    ws = fgpu.Workspace()
+    for B, H, Hk, n, m, d, causal in ((2, 8, 2, 1, 1031, 128, False), (1, 4, 4, 3, 77, 64, True),
+                                      (3, 2, 1, 2, 4099, 64, True)):
+        q = cp.asarray(rng.standard_normal((B, H, n, d)).astype(np.float16))
+        k, v = (cp.asarray(rng.standard_normal((B, Hk, m, d)).astype(np.float16)) for _ in range(2))
+        for splits in (None, 1, 5):
+            want_o, want_l = fgpu.decode(q, k, v, num_splits=splits, lengths=[m] * B, causal=causal, kernel=kernel)
+            out = (cp.full(q.shape, np.nan, dtype=cp.float16), cp.full(q.shape[:-1], np.nan, dtype=cp.float32))
+            S = decoding.resolve_num_splits(B, H, Hk, n, m, splits, fgpu.sm_count(), kernel)
+            ws.get("decode_o_parts", (B, H, n, S, d), cp.float32).fill(np.nan)  # whatever an earlier call left
+            ws.get("decode_lse_parts", (B, H, n, S), cp.float32).fill(np.nan)
+            o, lse = fgpu.decode(q, k, v, num_splits=splits, causal=causal, kernel=kernel, out=out, workspace=ws)
+            assert o is out[0] and lse is out[1]
+            np.testing.assert_array_equal(o.get(), want_o.get())
+            np.testing.assert_array_equal(lse.get(), want_l.get())
+    # The default lengths against float64, through the reference check of every split.
+    _check_decode(rng, "f16", 2, 4, 2, 2, 700, 128, True, 3, [700, 700], kernel=kernel)

@@ -13,9 +13,11 @@ import pytest
 
 import flashlab.gpu as fgpu
 from flashlab import records
-from flashlab.bench import backward, decode, forward, memory, profile, train
+from flashlab.bench import backward, decode, forward, host, memory, profile, train
 
-FORWARD = ("benchmarks/ladder", "benchmarks/memory_sweep", "benchmarks/memory_sweep_rung2")
+FORWARD = ("benchmarks/ladder", "benchmarks/memory_sweep", "benchmarks/memory_sweep_rung2", "benchmarks/protocols")
+# records timed under both protocols: every timed implementation and shape has a row of each
+BOTH_PROTOCOLS = ("benchmarks/protocols", "ch8/bwd", "ch8/decode")
 ROW_KEYS = {"impl", "pass", "dtype", "d", "n", "batch", "heads", "causal", "median_ms", "tflops"}
 PROVENANCE_KEYS = {"date_utc", "command", "gpu", "cupy", "numpy", "torch", "cuda_runtime", "nvidia_smi"}
 # summary -> the Nsight Compute CSV it is made from
@@ -142,3 +144,47 @@ def test_training_and_decoding_records_have_provenance_and_consistent_rows(name)
             assert r["pass"] == "memory" and r["kept_bytes"] > 0 and r["backward_extra_bytes"] >= 0, r
     assert {r["pass"] for r in rows} == {{"backward": "bwd"}.get(kind, kind)}  # one kind of row per file
     assert module.format_rows(data["rows"])  # what chapter 8 prints
+
+
+@pytest.mark.parametrize("name", BOTH_PROTOCOLS)
+def test_records_of_both_protocols_time_every_row_under_each(name):
+    rows = [r for r in records.read_record(name)["rows"] if "error" not in r]
+    assert all(r["protocol"] in records.PROTOCOLS for r in rows)
+    shapes = {}
+    for r in rows:
+        key = (r["impl"], r["d"], r["n"], r.get("m"), r.get("causal"))
+        shapes.setdefault(key, []).append(r["protocol"])
+    assert all(sorted(p) == sorted(records.PROTOCOLS) for p in shapes.values()), shapes
+    # the references are in the same run, under both protocols, for every shape the course's kernels ran at
+    refs = ("sdpa_flash", "sdpa_cudnn")
+    for impl, d, n, m, causal in shapes:
+        for ref in refs:
+            assert (ref, d, n, m, causal) in shapes, (name, impl, ref)
+
+
+def test_protocol_of_a_row_recorded_without_one_is_throughput():
+    old = records.read_record("benchmarks/ladder")["rows"]
+    assert all("protocol" not in r and records.protocol_of(r) == "throughput" for r in old)
+    table = forward.ladder_markdown(old)
+    assert "| throughput |" in table and "| latency |" not in table
+    both = forward.ladder_markdown(records.read_record("benchmarks/protocols")["rows"])
+    assert "| addressing | throughput |" in both and "| addressing | latency |" in both
+
+
+def test_host_time_record_measures_every_launcher_before_and_after():
+    data = records.read_record("benchmarks/host")
+    assert PROVENANCE_KEYS <= set(data["provenance"]), sorted(PROVENANCE_KEYS - set(data["provenance"]))
+    assert data["provenance"]["command"].startswith("python -m flashlab bench host ")
+    rows = data["rows"]
+    us = {(r["op"], r["version"], r["call"]): r for r in rows}
+    versions = {r["version"] for r in rows}
+    assert "current" in versions and len(versions) == 2  # the current launchers and the baseline of the same run
+    for op in host.OPS:
+        for version in versions:
+            assert (op, version, "plain") in us, (op, version)
+        assert (op, "current", "preallocated") in us, op
+    for r in rows:
+        assert r["repeat"] >= records.MIN_REPEAT and r["pass"] == "host"
+        assert 0 < r["host_us_q1"] <= r["host_us"] <= r["host_us_q3"], r
+    table = host.format_rows(rows)
+    assert all(f"`{op}`" in table for op in host.OPS)

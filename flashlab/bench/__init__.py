@@ -3,8 +3,10 @@
 One module per kind, each owning its arguments (``python -m flashlab bench KIND --help``). The GPU kinds share
 one protocol (CONTRIBUTING.md, "Benchmarks"): every row of a table comes from one run, the references are timed
 in the same run on the same random fp16 inputs, each output is checked once before it is timed, and times are
-CUDA-event medians of --repeat (>= 20) runs after --warmup (:mod:`flashlab.records`). ``--table FILE`` prints a
-recorded file without a GPU. data/README.md lists every recorded file and the command that regenerates it.
+CUDA-event medians of --repeat (>= 20) runs after --warmup (:mod:`flashlab.records`), under each protocol of
+--protocols (both by default: "throughput", calls back to back, and "latency", each call on an idle GPU; every
+timed row names its ``protocol``). ``--table FILE`` prints a recorded file without a GPU. data/README.md lists
+every recorded file and the command that regenerates it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .. import records
 from ..cli import dispatch
@@ -33,7 +35,10 @@ KINDS = {
     "tune": ("flashlab.bench.tune", "time a tunable rung with other tile sizes -> data/benchmarks/tune_RUNG.json"),
     "profile": ("flashlab.bench.profile", "one forward pass bracketed for Nsight Compute; summarize an ncu CSV "
                 "into data/ncu/"),
+    "host": ("flashlab.bench.host", "host time per call of attention, attention_backward and decode "
+             "-> data/benchmarks/host.json"),
 }
+CAUSAL = {"no": [False], "yes": [True], "both": [False, True]}
 PROG = "python -m flashlab bench"
 
 
@@ -54,6 +59,12 @@ def record_parser(kind: str, description: str, *, name: str, out: pathlib.Path, 
     p.add_argument("--no-write", action="store_true", help="print the table only")
     p.add_argument("--table", metavar="JSON", help="print a recorded file and exit (no GPU)")
     return p
+
+
+def add_protocols(p: argparse.ArgumentParser) -> None:
+    """--protocols: the timing protocols each row is timed under (:data:`flashlab.records.PROTOCOLS`)."""
+    p.add_argument("--protocols", nargs="+", choices=records.PROTOCOLS, default=list(records.PROTOCOLS),
+                   help="throughput: calls back to back; latency: each call, then synchronize (default: both)")
 
 
 def training_kernel_hashes() -> dict:
@@ -104,6 +115,98 @@ def timed_row(base: dict, ms: float, flop: float, repeat: int, err: float | None
     against the reference implementation and the extra bytes CuPy's pool held after one call."""
     return {**base, "median_ms": round(ms, 5), "tflops": round(flop / (ms * 1e-3) / 1e12, 3), "repeat": repeat,
             "max_abs_diff": err, "diff_against": diff_against, "extra_bytes": int(extra_bytes)}
+
+
+def max_diff(a, b) -> float:
+    """max |a - b| over two CuPy arrays (or two equally long tuples of them), in float32."""
+    import cupy as cp
+
+    if isinstance(a, (tuple, list)):
+        return max(max_diff(x, y) for x, y in zip(a, b, strict=True))
+    return float(cp.abs(a.astype(cp.float32) - b.astype(cp.float32)).max())
+
+
+def run_grid(args: argparse.Namespace, rows: list[dict], *, pass_name: str, inputs: int,
+             impl: Callable[[str, list, bool], tuple[str, Callable[[], object], Callable[[], object]]],
+             flop: Callable[[int, int, int, int, bool], float], references: Sequence[str] = (),
+             skip: Callable[[str, int], bool] = lambda name, n: False) -> None:
+    """The loop the forward and backward benchmarks share: for each (d, n, causal) of ``args``, ``inputs`` random
+    fp16 arrays of shape (batch, heads, n, d); then every implementation of ``args.impls`` (but those ``skip``
+    names) is checked once and timed under every protocol of ``args.protocols``, one row per protocol.
+
+    ``impl(name, arrays, causal)`` returns (event kind, the timed call, a call that poisons or allocates its
+    outputs, runs once and returns them). Differences are taken against the first of ``references`` that runs,
+    else against the first implementation timed.
+    """
+    import cupy as cp
+
+    rng = cp.random.default_rng(0)
+    pool = cp.get_default_memory_pool()
+    for d in args.d:
+        for n in args.n:
+            batch = args.batch if args.batch else max(1, args.tokens // n)
+            for causal in CAUSAL[args.causal]:
+                shape = (batch, args.heads, n, d)
+                arrays = [rng.standard_normal(shape, dtype=cp.float32).astype(cp.float16) for _ in range(inputs)]
+                ref, ref_name = None, None
+                for cand in [r for r in references if r in args.impls]:
+                    try:
+                        ref, ref_name = impl(cand, arrays, causal)[2](), cand
+                        break
+                    except Exception:  # noqa: BLE001 - e.g. naive attention out of memory at large n
+                        pool.free_all_blocks()
+                for name in args.impls:
+                    if skip(name, n):
+                        continue
+                    base = {"impl": name, "pass": pass_name, "dtype": "float16", "d": d, "n": n, "batch": batch,
+                            "heads": args.heads, "causal": causal}
+                    pool.free_all_blocks()
+                    held = pool.total_bytes()
+                    try:
+                        kind, fn, result = impl(name, arrays, causal)
+                        out = result()
+                        # What CuPy's pool held after one call beyond before it (outputs, temporaries, a float32
+                        # copy made for the check; PyTorch's allocator is not seen): about the call's working memory.
+                        extra = pool.total_bytes() - held
+                        if ref is None:
+                            ref, ref_name, err = out, name, None
+                        else:
+                            err = max_diff(out, ref)
+                        del out
+                        times = {p: records.median_ms(fn, args.repeat, args.warmup, kind=kind, protocol=p)
+                                 for p in args.protocols}
+                    except Exception as e:  # noqa: BLE001 - e.g. out of memory: recorded, the table goes on
+                        rows.append(failed_row(base, e))
+                        pool.free_all_blocks()
+                        continue
+                    pool.free_all_blocks()
+                    f = flop(n, d, batch, args.heads, causal)
+                    for protocol, ms in times.items():
+                        rows.append(timed_row({**base, "protocol": protocol}, ms, f, args.repeat, err, ref_name,
+                                              extra))
+                        print(f"  {name:<12} d={d:<4} n={n:<6} causal={causal!s:<5} {protocol:<10} {ms:9.3f} ms "
+                              f"{rows[-1]['tflops']:8.2f} TFLOP/s  max|diff vs {ref_name}|={err}  "
+                              f"+{extra / 1e6:.0f} MB", flush=True)
+                del arrays, ref
+                pool.free_all_blocks()
+
+
+def ratio_cells(row: dict, times: dict, refs: Sequence[str] = ("sdpa_flash", "sdpa_cudnn"),
+                key: Callable[[dict], tuple] = lambda r: (r["d"], r["n"], r["causal"])) -> list[str]:
+    """``row``'s speed as a multiple of each reference's in the same run, same shape and same protocol: the
+    reference's median time over the row's ("-" where the run has no such reference). ``times`` maps
+    (impl, protocol, *key) to median ms."""
+    p = records.protocol_of(row)
+    out = []
+    for ref in refs:
+        t = times.get((ref, p, *key(row)))
+        out.append(f"{t / row['median_ms']:.2f}" if t else "-")
+    return out
+
+
+def median_times(rows: list[dict], key: Callable[[dict], tuple] = lambda r: (r["d"], r["n"], r["causal"])) -> dict:
+    """(impl, protocol, *key) -> median ms of every timed row, for :func:`ratio_cells`."""
+    return {(r["impl"], records.protocol_of(r), *key(r)): r["median_ms"] for r in rows if "error" not in r}
 
 
 def failed_row(base: dict, e: Exception) -> dict:

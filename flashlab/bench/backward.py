@@ -3,9 +3,10 @@
 Given the forward's o and lse, each main kernel of ``flashlab.gpu.backward`` (impl ``ours_<kernel>``) is timed
 against PyTorch SDPA's flash and cuDNN backends (autograd backward only) and naive CuPy (P materialised), in one
 run on the same random fp16 inputs; each implementation's gradients are computed once (into fresh arrays) and
-compared with the first implementation's before timing. FLOP = 2.5 x the forward's 4 n^2 d batch heads (half with
-the causal mask). Rows: pass "bwd", written to data/ch8/bwd.json (not data/benchmarks/, whose rows are forward
-rows checked against the forward FLOP count).
+compared with the first implementation's before timing, then timed under each protocol of --protocols (one row
+each; the course's kernels into preallocated gradients with a reused workspace). FLOP = 2.5 x the forward's
+4 n^2 d batch heads (half with the causal mask). Rows: pass "bwd", written to data/ch8/bwd.json (not
+data/benchmarks/, whose rows are forward rows checked against the forward FLOP count).
 """
 
 from __future__ import annotations
@@ -15,7 +16,17 @@ import sys
 
 from .. import records
 from ..gpu import backward
-from . import error_line, failed_row, gpu_main, record_parser, timed_row, training_kernel_hashes, without_torch
+from . import (
+    add_protocols,
+    error_line,
+    gpu_main,
+    median_times,
+    ratio_cells,
+    record_parser,
+    run_grid,
+    training_kernel_hashes,
+    without_torch,
+)
 from .forward import flop
 
 OUT_DIR = records.DATA_DIR / "ch8"
@@ -27,27 +38,27 @@ def bwd_flop(n: int, d: int, batch: int, heads: int, causal: bool) -> float:
     return 2.5 * flop(n, d, batch, heads, causal)
 
 
-def max_diff(a, b) -> float:
-    """max |a - b| over two CuPy arrays, in float32."""
-    import cupy as cp
-
-    return float(cp.abs(a.astype(cp.float32) - b.astype(cp.float32)).max())
-
-
-def _bwd_impl(name: str, q, k, v, do, causal: bool):
-    """(kind, fn, result) where result() poisons, runs once and returns (dq, dk, dv) as CuPy arrays."""
+def _bwd_impl(name: str, arrays: list, causal: bool):
+    """(kind, fn, result) where result() runs once into fresh arrays and returns (dq, dk, dv) as CuPy arrays."""
     import cupy as cp
 
     import flashlab.gpu as fgpu
 
+    q, k, v, do = arrays
     if name.removeprefix("ours_") in backward.KERNELS:
         o, lse = fgpu.attention(q, k, v, causal=causal)
         kernel = name.removeprefix("ours_")
+        out = (cp.empty_like(q), cp.empty_like(k), cp.empty_like(v))
+        workspace = fgpu.Workspace()
 
         def fn():
+            return fgpu.attention_backward(q, k, v, o, lse, do, causal=causal, kernel=kernel, out=out,
+                                           workspace=workspace)
+
+        def result():
             return fgpu.attention_backward(q, k, v, o, lse, do, causal=causal, kernel=kernel)
 
-        return "cupy", fn, fn
+        return "cupy", fn, result
     if name == "cupy_naive":
         def fn():
             return backward.naive_attention_backward(q, k, v, do, causal=causal)
@@ -77,59 +88,24 @@ def _bwd_impl(name: str, q, k, v, do, causal: bool):
 
 
 def run(args: argparse.Namespace, rows: list[dict]) -> None:
-    """Time every implementation of ``args.impls`` at each (d, n, causal); append one row each."""
-    import cupy as cp
-
-    rng = cp.random.default_rng(0)
-    pool = cp.get_default_memory_pool()
-    for d in args.d:
-        for n in args.n:
-            batch = args.batch if args.batch else max(1, args.tokens // n)
-            for causal in {"no": [False], "yes": [True], "both": [False, True]}[args.causal]:
-                shape = (batch, args.heads, n, d)
-                q, k, v, do = (rng.standard_normal(shape, dtype=cp.float32).astype(cp.float16) for _ in range(4))
-                ref, ref_name = None, None
-                for name in args.impls:
-                    base = {"impl": name, "pass": "bwd", "dtype": "float16", "d": d, "n": n, "batch": batch,
-                            "heads": args.heads, "causal": causal}
-                    pool.free_all_blocks()
-                    held = pool.total_bytes()
-                    try:
-                        kind, fn, result = _bwd_impl(name, q, k, v, do, causal)
-                        grads = result()
-                        extra = pool.total_bytes() - held
-                        if ref is None:
-                            ref, ref_name = grads, name
-                            err = None
-                        else:
-                            err = max(max_diff(a, b) for a, b in zip(grads, ref, strict=True))
-                        del grads
-                        ms = records.median_ms(fn, args.repeat, args.warmup, kind=kind)
-                    except Exception as e:  # noqa: BLE001 - e.g. out of memory: recorded, the table goes on
-                        rows.append(failed_row(base, e))
-                        pool.free_all_blocks()
-                        continue
-                    f = bwd_flop(n, d, batch, args.heads, causal)
-                    rows.append(timed_row(base, ms, f, args.repeat, err, ref_name, extra))
-                    print(f"  {name:<12} d={d:<4} n={n:<6} causal={causal!s:<5} {ms:9.3f} ms "
-                          f"{rows[-1]['tflops']:8.2f} TFLOP/s  max|diff vs {ref_name}|={err}", flush=True)
-                del q, k, v, do, ref
-                pool.free_all_blocks()
+    """Time every implementation of ``args.impls`` at each (d, n, causal) under each protocol; append one row
+    each."""
+    run_grid(args, rows, pass_name="bwd", inputs=4, impl=_bwd_impl, flop=bwd_flop)
 
 
 def format_rows(rows: list[dict]) -> str:
-    """Plain text, one line per row: time, TFLOP/s and % of sdpa_flash at the same (d, n, causal)."""
-    flash = {(r["d"], r["n"], r["causal"]): r["tflops"] for r in rows
-             if r.get("impl") == "sdpa_flash" and "error" not in r}
+    """Plain text, one line per row: protocol, time, TFLOP/s and the speed as a multiple of sdpa_flash's and
+    sdpa_cudnn's at the same (d, n, causal) under the same protocol."""
+    times = median_times(rows)
     lines = []
     for r in rows:
         if "error" in r:
             lines.append(error_line(r))
             continue
-        f = flash.get((r["d"], r["n"], r["causal"]))
-        pct = f"{100 * r['tflops'] / f:6.1f}%" if f else "      -"
+        flash, cudnn = ratio_cells(r, times)
         lines.append(f"{r['impl']:<12} d={r['d']:<4} n={r['n']:<6} causal={r['causal']!s:<5} "
-                     f"{r['median_ms']:9.3f} ms {r['tflops']:8.2f} TFLOP/s {pct} of sdpa_flash")
+                     f"{records.protocol_of(r):<10} {r['median_ms']:9.3f} ms {r['tflops']:8.2f} TFLOP/s "
+                     f"x{flash:>5} sdpa_flash x{cudnn:>5} sdpa_cudnn")
     return "\n".join(lines)
 
 
@@ -144,6 +120,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=16384, help="batch x n (batch = tokens // n)")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--batch", type=int, default=None, help="fixed batch size (overrides --tokens)")
+    add_protocols(p)
     return p
 
 

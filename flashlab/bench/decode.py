@@ -1,10 +1,12 @@
 """``python -m flashlab bench decode``: split-KV decoding, one query token (or a few) against a KV cache of m keys.
 
 Each split kernel of ``flashlab.gpu.decoding`` (``--kernels``; impl "<kernel>" with the default split count,
-"<kernel>_split_<S>" for the sweep, "<kernel>_unsplit" for num_splits=1), PyTorch SDPA on the same shapes, and
-a device-to-device copy of the cache, whose bandwidth gives the time to read the cache once: all in one run, on
-the same random fp16 inputs, each output checked against the unsplit "rows" kernel before it is timed. Rows: pass
-"decode", with kv_bytes and GB/s, written to data/ch8/decode.json.
+"<kernel>_split_<S>" for the sweep, "<kernel>_unsplit" for num_splits=1; each call through ``flashlab.gpu.decode``
+into preallocated outputs with a reused workspace and the default lengths), PyTorch SDPA on the same shapes
+("sdpa": PyTorch's own choice of backend; "sdpa_flash", "sdpa_cudnn": that backend), and a device-to-device copy
+of the cache, whose bandwidth gives the time to read the cache once: all in one run, on the same random fp16
+inputs, each output checked against the unsplit "rows" kernel before it is timed, each timed under every protocol
+of --protocols (one row each). Rows: pass "decode", with kv_bytes and GB/s, written to data/ch8/decode.json.
 """
 
 from __future__ import annotations
@@ -14,8 +16,19 @@ import sys
 
 from .. import records
 from ..gpu import decoding
-from . import error_line, gpu_main, record_parser, training_kernel_hashes
-from .backward import OUT_DIR, max_diff
+from . import (
+    add_protocols,
+    error_line,
+    gpu_main,
+    max_diff,
+    median_times,
+    ratio_cells,
+    record_parser,
+    training_kernel_hashes,
+)
+from .backward import OUT_DIR
+
+SDPA = {"sdpa": None, "sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}  # impl -> SDPBackend
 
 
 def _copy_ms(nbytes: int, repeat: int, warmup: int) -> float:
@@ -54,53 +67,70 @@ def _decode_one(args, m: int, rows: list[dict], rng) -> None:
     print(f"# m={m}: KV cache {kv_bytes / 1e6:.1f} MB, copy bandwidth {copy_gbps:.0f} GB/s -> read once in "
           f"{read_once_ms * 1e3:.1f} us")
     ref, _ = fgpu.decode(q, k, v, num_splits=1, kernel="rows")
-    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    sms = fgpu.sm_count()
+    out = (cp.empty_like(q), cp.empty(q.shape[:-1], dtype=cp.float32))
+    workspace = fgpu.Workspace()
     # impl: "<kernel>" with the default split count, "<kernel>_unsplit", "<kernel>_split_<S>"
     runs = [(f"{kern}{suffix}", kern, splits) for kern in args.kernels
             for suffix, splits in [("", None), ("_unsplit", 1)] + [(f"_split_{s}", s) for s in args.splits]]
     for name, kern, splits in runs:
-        try:
-            def fn(splits=splits, kern=kern):
-                return fgpu.decode(q, k, v, num_splits=splits, kernel=kern)
+        def fn(splits=splits, kern=kern):
+            return fgpu.decode(q, k, v, num_splits=splits, kernel=kern, out=out, workspace=workspace)
 
-            err = max_diff(fn()[0], ref)
-            ms = records.median_ms(fn, args.repeat, args.warmup)
-        except Exception as e:  # noqa: BLE001
-            rows.append({**base, "impl": name, "kernel": kern, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-            continue
         used = decoding.resolve_num_splits(B, H, Hk, nq, m, splits, sms, kern)
-        rows.append({**base, "impl": name, "kernel": kern, "num_splits": used, "median_ms": round(ms, 5),
-                     "gbps": round(kv_bytes / (ms * 1e-3) / 1e9, 1), "x_read_once": round(ms / read_once_ms, 3),
-                     "repeat": args.repeat, "max_abs_diff": err, "diff_against": "rows_unsplit"})
-        print(f"  {name:<16} splits={used:<5} {ms * 1e3:9.1f} us  {rows[-1]['gbps']:7.0f} GB/s  "
-              f"{rows[-1]['x_read_once']:.2f}x read-once  max|diff|={err:.1e}", flush=True)
+        _time(args, rows, {**base, "impl": name, "kernel": kern, "num_splits": used}, fn, "cupy",
+              lambda fn=fn: fn()[0], ref, read_once_ms)
     try:
         import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:
         return
     tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+    for name, backend in SDPA.items():
+        def sdpa(backend=backend):
+            if backend is None:
+                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=H != Hk)
+            with sdpa_kernel(getattr(SDPBackend, backend)):
+                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=H != Hk)
 
-    def sdpa():
-        return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=H != Hk)
+        _time(args, rows, {**base, "impl": name}, sdpa, "torch", lambda sdpa=sdpa: cp.from_dlpack(sdpa().contiguous()),
+              ref, read_once_ms)
 
+
+def _time(args, rows: list[dict], base: dict, fn, kind: str, result, ref, read_once_ms: float) -> None:
+    """Check ``result()`` against ``ref`` once, then time ``fn`` under each protocol: one row each (or one row
+    with the error)."""
     try:
-        err = max_diff(cp.from_dlpack(sdpa().contiguous()), ref)
-        ms = records.median_ms(sdpa, args.repeat, args.warmup, kind="torch")
-    except Exception as e:  # noqa: BLE001
-        rows.append({**base, "impl": "sdpa", "error": f"{type(e).__name__}: {str(e)[:200]}"})
+        err = max_diff(result(), ref)
+        times = {p: records.median_ms(fn, args.repeat, args.warmup, kind=kind, protocol=p) for p in args.protocols}
+    except Exception as e:  # noqa: BLE001 - recorded, the table goes on
+        rows.append({**base, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+        print(f"  {base['impl']:<16} {rows[-1]['error'][:100]}", flush=True)
         return
-    rows.append({**base, "impl": "sdpa", "median_ms": round(ms, 5), "gbps": round(kv_bytes / (ms * 1e-3) / 1e9, 1),
-                 "x_read_once": round(ms / read_once_ms, 3), "repeat": args.repeat, "max_abs_diff": err,
-                 "diff_against": "rows_unsplit"})
-    print(f"  {'sdpa':<10} {'':<12} {ms * 1e3:9.1f} us  {rows[-1]['gbps']:7.0f} GB/s", flush=True)
+    for protocol, ms in times.items():
+        kv = base["kv_bytes"]
+        rows.append({**base, "protocol": protocol, "median_ms": round(ms, 5), "gbps": round(kv / (ms * 1e-3) / 1e9, 1),
+                     "x_read_once": round(ms / read_once_ms, 3), "repeat": args.repeat, "max_abs_diff": err,
+                     "diff_against": "rows_unsplit"})
+        print(f"  {base['impl']:<16} splits={base.get('num_splits', '-')!s:<5} {protocol:<10} {ms * 1e3:9.1f} us  "
+              f"{rows[-1]['gbps']:7.0f} GB/s  {rows[-1]['x_read_once']:.2f}x read-once  max|diff|={err:.1e}",
+              flush=True)
 
 
 def format_rows(rows: list[dict]) -> str:
-    """Plain text, one line per row: time, GB/s and multiple of the time to read the cache once."""
-    return "\n".join(error_line(r) if "error" in r else
-                     f"{r['impl']:<16} m={r['m']:<7} splits={r.get('num_splits', '-')!s:<5} "
-                     f"{r['median_ms'] * 1e3:9.1f} us {r['gbps']:8.0f} GB/s {r['x_read_once']:6.2f}x read-once"
-                     for r in rows)
+    """Plain text, one line per row: protocol, time, GB/s, multiple of the time to read the cache once, and the
+    speed as a multiple of sdpa_flash's and sdpa_cudnn's (same m, same protocol; "-" where the run has none)."""
+    times = median_times(rows, key=lambda r: (r["m"],))
+    lines = []
+    for r in rows:
+        if "error" in r:
+            lines.append(error_line(r))
+            continue
+        flash, cudnn = ratio_cells(r, times, key=lambda r: (r["m"],))
+        lines.append(f"{r['impl']:<16} m={r['m']:<7} splits={r.get('num_splits', '-')!s:<5} "
+                     f"{records.protocol_of(r):<10} {r['median_ms'] * 1e3:9.1f} us {r['gbps']:8.0f} GB/s "
+                     f"{r['x_read_once']:6.2f}x read-once  x{flash:>5} sdpa_flash x{cudnn:>5} sdpa_cudnn")
+    return "\n".join(lines)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -115,6 +145,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=None, help="K/V heads (default: heads)")
     p.add_argument("--batch", type=int, default=None, help="default 1")
+    add_protocols(p)
     return p
 
 

@@ -2,9 +2,11 @@
 
 Every row of a table comes from one run: the references (naive CuPy attention with S materialised, PyTorch SDPA
 with the flash and the cuDNN backends when PyTorch is present) are timed in the same run, on the same random fp16
-inputs, with CUDA events, as the median of --repeat runs after --warmup runs. Before timing, each implementation's
-output is poisoned, computed once and compared with a reference, and the error is recorded in its row. FLOP =
-4 n^2 d batch heads for the forward pass (half that with a causal mask). Written to data/benchmarks/NAME.json.
+inputs, with CUDA events, as the median of --repeat runs after --warmup runs, under each protocol of --protocols
+(one row each; the course's kernels through ``flashlab.gpu.attention`` into preallocated outputs). Before timing,
+each implementation's output is poisoned, computed once and compared with a reference, and the error is recorded
+in its row. FLOP = 4 n^2 d batch heads for the forward pass (half that with a causal mask). Written to
+data/benchmarks/NAME.json.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 import numpy as np
 
 from .. import records
-from . import failed_row, gpu_main, record_parser, timed_row, without_torch
+from . import add_protocols, gpu_main, record_parser, run_grid, without_torch
 
 REFERENCES = ("cupy_naive", "sdpa_flash", "sdpa_cudnn")
 OUT_DIR = records.DATA_DIR / "benchmarks"
@@ -42,15 +44,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None, help="fixed batch size (overrides --tokens): memory sweeps")
     p.add_argument("--slow-max-n", type=int, default=4096,
                    help=f"time the slow rungs {SLOW_RUNGS} only up to this n (they take seconds per call)")
+    add_protocols(p)
     return p
 
 
-def _impl(name: str, q, k, v, causal: bool):
-    """(kind, fn, result-as-cupy-float32) for one implementation on fixed inputs."""
+def _impl(name: str, arrays: list, causal: bool):
+    """(kind, fn, result-as-cupy-float32) for one implementation on fixed inputs q, k, v."""
     import cupy as cp
 
     import flashlab.gpu as fgpu
 
+    q, k, v = arrays
     if name in fgpu.RUNGS:
         o = cp.empty_like(q)
         lse = cp.empty(q.shape[:-1], cp.float32)
@@ -102,56 +106,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, rows: list[dict]) -> None:
-    """Time every implementation of ``args.impls`` at each (d, n, causal) of ``args``; append one row each."""
-    import cupy as cp
-
-    impls = list(args.impls)
-    causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
-    rng = cp.random.default_rng(0)
-    pool = cp.get_default_memory_pool()
-    for d in args.d:
-        for n in args.n:
-            batch = args.batch if args.batch else max(1, args.tokens // n)
-            for causal in causals:
-                shape = (batch, args.heads, n, d)
-                q, k, v = (rng.standard_normal(shape, dtype=cp.float32).astype(cp.float16) for _ in range(3))
-                # Differences are taken against the first reference that runs: sdpa_flash, else cupy_naive.
-                ref, ref_name = None, None
-                for cand in [r for r in ("sdpa_flash", "cupy_naive") if r in impls]:
-                    try:
-                        ref, ref_name = _impl(cand, q, k, v, causal)[2](), cand
-                        break
-                    except Exception:  # noqa: BLE001 - e.g. naive attention out of memory at large n
-                        pool.free_all_blocks()
-                for name in impls:
-                    if name in SLOW_RUNGS and n > args.slow_max_n:
-                        continue
-                    base = {"impl": name, "pass": "fwd", "dtype": "float16", "d": d, "n": n, "batch": batch,
-                            "heads": args.heads, "causal": causal}
-                    pool.free_all_blocks()
-                    held = pool.total_bytes()
-                    try:
-                        kind, fn, result = _impl(name, q, k, v, causal)
-                        out = result()
-                        extra = pool.total_bytes() - held
-                        err = float(cp.abs(out - ref).max()) if ref is not None else None
-                        del out
-                        ms = records.median_ms(fn, args.repeat, args.warmup, kind=kind)
-                    except Exception as e:  # noqa: BLE001 - e.g. out of memory: recorded, the table goes on
-                        rows.append(failed_row(base, e))
-                        pool.free_all_blocks()
-                        continue
-                    pool.free_all_blocks()
-                    f = flop(n, d, batch, args.heads, causal)
-                    # extra_bytes: what CuPy's pool held after one call beyond before it (outputs, temporaries and the
-                    # float32 copy of the output made for the check above;
-                    # PyTorch's own allocator is not seen, so 0 for sdpa_*): about the call's peak working memory.
-                    rows.append(timed_row(base, ms, f, args.repeat, err, ref_name, extra))
-                    print(f"  {name:<12} d={d:<4} n={n:<6} causal={causal!s:<5} {ms:9.3f} ms "
-                          f"{rows[-1]['tflops']:8.2f} TFLOP/s  max|diff vs {ref_name}|={err}  "
-                          f"+{extra / 2**20:.0f} MiB", flush=True)
-                del q, k, v, ref
-                pool.free_all_blocks()
+    """Time every implementation of ``args.impls`` at each (d, n, causal) of ``args`` under each protocol; append
+    one row each. Differences are taken against sdpa_flash, else cupy_naive (the first that runs)."""
+    run_grid(args, rows, pass_name="fwd", inputs=3, impl=_impl, flop=flop, references=("sdpa_flash", "cupy_naive"),
+             skip=lambda name, n: name in SLOW_RUNGS and n > args.slow_max_n)
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -163,34 +121,42 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _percents(rows: list[dict]) -> dict:
+    """(impl, protocol, d, n, causal) -> TFLOP/s of every timed row."""
+    return {(r["impl"], records.protocol_of(r), r["d"], r["n"], r["causal"]): r["tflops"] for r in rows}
+
+
+def _pct(rows_t: dict, r: dict, ref: str, fmt: str = "{:.1f}") -> str | None:
+    """``r``'s TFLOP/s in percent of ``ref``'s at the same shape under the same protocol, or None."""
+    t = rows_t.get((ref, records.protocol_of(r), r["d"], r["n"], r["causal"]))
+    return fmt.format(100 * r["tflops"] / t) if t else None
+
+
 def format_table(rows: list[dict]) -> str:
-    """Plain-text table: one line per row, with % of sdpa_flash and sdpa_cudnn for the same (d, n, causal)."""
+    """Plain-text table: one line per row, with its protocol and % of sdpa_flash and sdpa_cudnn for the same
+    (d, n, causal) under the same protocol."""
     rows = [r for r in rows if "error" not in r]
-    refs = {(r["impl"], r["d"], r["n"], r["causal"]): r["tflops"] for r in rows}
-    lines = [f"{'impl':<12} {'d':>4} {'n':>6} {'causal':>6} {'ms':>9} {'TFLOP/s':>8} {'%flash':>7} {'%cudnn':>7}"]
+    refs = _percents(rows)
+    lines = [f"{'impl':<12} {'d':>4} {'n':>6} {'causal':>6} {'protocol':>10} {'ms':>9} {'TFLOP/s':>8} {'%flash':>7} "
+             f"{'%cudnn':>7}"]
     for r in rows:
-        key = (r["d"], r["n"], r["causal"])
-        pct = []
-        for ref in ("sdpa_flash", "sdpa_cudnn"):
-            t = refs.get((ref, *key))
-            pct.append(f"{100 * r['tflops'] / t:6.1f}%" if t else f"{'-':>7}")
-        lines.append(f"{r['impl']:<12} {r['d']:>4} {r['n']:>6} {r['causal']!s:>6} {r['median_ms']:>9.3f} "
-                     f"{r['tflops']:>8.2f} {pct[0]} {pct[1]}")
+        pct = [f"{p:>6}%" if (p := _pct(refs, r, ref)) else f"{'-':>7}" for ref in ("sdpa_flash", "sdpa_cudnn")]
+        lines.append(f"{r['impl']:<12} {r['d']:>4} {r['n']:>6} {r['causal']!s:>6} {records.protocol_of(r):>10} "
+                     f"{r['median_ms']:>9.3f} {r['tflops']:>8.2f} {pct[0]} {pct[1]}")
     return "\n".join(lines)
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """Markdown table of recorded rows: TFLOP/s and % of sdpa_flash / sdpa_cudnn for each (d, n, causal)."""
+    """Markdown table of recorded rows: TFLOP/s and % of sdpa_flash / sdpa_cudnn for each (d, n, causal), the
+    references timed under the row's own protocol."""
     rows = [r for r in rows if "error" not in r]
-    refs = {(r["impl"], r["d"], r["n"], r["causal"]): r["tflops"] for r in rows}
-    out = ["| impl | d | n | causal | ms | TFLOP/s | % sdpa_flash | % sdpa_cudnn |",
-           "|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["d"], r["n"], r["causal"])):
-        key = (r["d"], r["n"], r["causal"])
-        pct = [f"{100 * r['tflops'] / refs[(ref, *key)]:.1f}" if refs.get((ref, *key)) else "-"
-               for ref in ("sdpa_flash", "sdpa_cudnn")]
-        out.append(f"| {r['impl']} | {r['d']} | {r['n']} | {r['causal']} | {r['median_ms']:.3f} | {r['tflops']:.1f} "
-                   f"| {pct[0]} | {pct[1]} |")
+    refs = _percents(rows)
+    out = ["| impl | d | n | causal | protocol | ms | TFLOP/s | % sdpa_flash | % sdpa_cudnn |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["d"], r["n"], r["causal"], records.protocol_of(r))):
+        pct = [_pct(refs, r, ref) or "-" for ref in ("sdpa_flash", "sdpa_cudnn")]
+        out.append(f"| {r['impl']} | {r['d']} | {r['n']} | {r['causal']} | {records.protocol_of(r)} "
+                   f"| {r['median_ms']:.3f} | {r['tflops']:.1f} | {pct[0]} | {pct[1]} |")
     return "\n".join(out)
 
 
@@ -199,18 +165,25 @@ LADDER_COLUMNS = [(128, 4096, False), (128, 16384, False), (128, 4096, True), (1
 
 
 def ladder_markdown(rows: list[dict], impls: list[str] | None = None) -> str:
-    """One line per implementation, one column per (d, n, causal): TFLOP/s (% of sdpa_flash in the same run)."""
+    """One line per implementation and protocol, one column per (d, n, causal): TFLOP/s (% of sdpa_flash in the
+    same run under the same protocol; with both references timed, also % of sdpa_cudnn)."""
     rows = [r for r in rows if "error" not in r]
-    t = {(r["impl"], r["d"], r["n"], r["causal"]): r["tflops"] for r in rows}
+    t = _percents(rows)
     if impls is None:
         impls = list(dict.fromkeys(r["impl"] for r in rows))
-    cols = [c for c in LADDER_COLUMNS if any((i, *c) in t for i in impls)]
+    protocols = [p for p in records.PROTOCOLS if any(records.protocol_of(r) == p for r in rows)]
+    cols = [c for c in LADDER_COLUMNS if any((i, p, *c) in t for i in impls for p in protocols)]
     head = " | ".join(f"d={d} n={n}{' causal' if c else ''}" for d, n, c in cols)
-    lines = [f"| impl | {head} |", "|---" * (len(cols) + 1) + "|"]
-    for im in impls:
-        cells = []
-        for key in cols:
-            v, f = t.get((im, *key)), t.get(("sdpa_flash", *key))
-            cells.append("-" if v is None else f"{v:.1f} ({100 * v / f:.0f}%)" if f else f"{v:.1f}")
-        lines.append(f"| {im} | " + " | ".join(cells) + " |")
+    lines = [f"| impl | protocol | {head} |", "|---" * (len(cols) + 2) + "|"]
+    for p in protocols:
+        for im in impls:
+            if not any((im, p, *key) in t for key in cols):
+                continue
+            cells = []
+            for key in cols:
+                v = t.get((im, p, *key))
+                pcts = [f"{100 * v / ref:.0f}%" for name in ("sdpa_flash", "sdpa_cudnn")
+                        if v is not None and (ref := t.get((name, p, *key)))]
+                cells.append("-" if v is None else f"{v:.1f} ({' / '.join(pcts)})" if pcts else f"{v:.1f}")
+            lines.append(f"| {im} | {p} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -15,6 +15,12 @@ The kernels form a ladder (chapters 6 and 7), one file per rung, each a readable
 ``attention(q, k, v)`` checks its inputs, picks a rung and launches it. This module imports without CuPy (the
 course runs on CPU machines); only calling a GPU function needs CuPy and a GPU.
 
+The host path of a call is kept short: each kernel is compiled, loaded and configured once per (file, defines,
+function, device) by ``kernel_function`` and then found in a dictionary (no file read, no module built, no
+attribute set on later calls); ``out=`` on ``attention``, ``attention_backward`` and ``decode`` writes into the
+caller's arrays, and a ``Workspace`` keeps the scratch buffers of the backward and of decoding from call to call.
+``python -m flashlab bench host`` measures what a call costs the host.
+
 bfloat16: CuPy has no bfloat16 dtype (cupy/cupy#7527). bf16 tensors therefore travel as their raw 16-bit
 patterns in ``uint16`` arrays, and ``attention(..., bf16=True)`` says how to read them; ``to_bf16`` and
 ``from_bf16`` convert from and to float32 on the GPU. From NumPy with ml_dtypes: ``cupy.asarray(a.view(np.uint16))``;
@@ -31,6 +37,7 @@ import pathlib
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from typing import Any
 
@@ -167,6 +174,9 @@ def parse_resource_usage(log: str) -> list[dict]:
 
 def _cupy():
     """Import CuPy on first use, with an error that says what is missing."""
+    cupy = sys.modules.get("cupy")  # every launch asks: a dictionary lookup once CuPy is imported
+    if cupy is not None:
+        return cupy
     try:
         import cupy
     except ImportError as e:  # pragma: no cover - depends on the machine
@@ -177,30 +187,107 @@ def _cupy():
     return cupy
 
 
+def _device_id(cp) -> int:
+    """The current device's ordinal (0 where the device object has none, as in the host emulation)."""
+    return getattr(cp.cuda.Device(), "id", 0)
+
+
+_CAPABILITY: dict[int, int] = {}  # device ordinal -> compute capability
+_SM_COUNT: dict[int, int] = {}  # device ordinal -> multiprocessors
+_FUNCTIONS: dict[tuple, Any] = {}  # (file, defines, function, device) -> compiled and configured kernel
+
+
 def compute_capability() -> int:
-    """Compute capability of the current device as an int, e.g. 90 for sm_90."""
-    return int(_cupy().cuda.Device().compute_capability)
+    """Compute capability of the current device as an int, e.g. 90 for sm_90 (asked once per device)."""
+    cp = _cupy()
+    dev = _device_id(cp)
+    if dev not in _CAPABILITY:
+        _CAPABILITY[dev] = int(cp.cuda.Device().compute_capability)
+    return _CAPABILITY[dev]
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the current device (asked once per device: CuPy's ``Device().attributes``
+    queries every attribute of the device each time it is read)."""
+    cp = _cupy()
+    dev = _device_id(cp)
+    if dev not in _SM_COUNT:
+        _SM_COUNT[dev] = int(cp.cuda.Device().attributes["MultiProcessorCount"])
+    return _SM_COUNT[dev]
 
 
 @functools.lru_cache(maxsize=None)
-def _module(file: str, source: str, defines: tuple[str, ...]):
-    # The source text is part of the key: CuPy's own compile cache also keys on it, so an edited .cu recompiles.
-    return _cupy().RawModule(code=source, options=("--std=c++17", *defines))
+def _module(file: str, defines: tuple[str, ...]):
+    # Read once per process: a call must not touch the file system. An edited .cu takes effect in a new process
+    # (CuPy's compile cache keys on the source text, so it then recompiles).
+    return _cupy().RawModule(code=(KERNEL_DIR / file).read_text(), options=("--std=c++17", *defines))
 
 
-def _file_module(file: str):
-    """The compiled module of kernels/FILE (no defines); the file is read on each call so that an edit recompiles,
-    and ``_module`` returns the module already built for an unchanged text."""
-    return _module(file, (KERNEL_DIR / file).read_text(), ())
+def kernel_function(file: str, name: str, *, defines: tuple[str, ...] = (), shared_bytes: int = 0):
+    """The kernel ``name`` of kernels/FILE compiled with ``defines``, loaded on the current device and allowed
+    ``shared_bytes`` of dynamic shared memory: built and configured on the first call for a (file, defines, name,
+    device), then returned from a dictionary, so that a launch costs no file read, no compilation lookup and no
+    attribute call (CONTRIBUTING.md, Kernels)."""
+    cp = _cupy()
+    key = (file, defines, name, _device_id(cp))
+    kern = _FUNCTIONS.get(key)
+    if kern is None:
+        kern = _module(file, defines).get_function(name)
+        if shared_bytes > STATIC_SMEM_LIMIT:
+            kern.max_dynamic_shared_size_bytes = shared_bytes
+        _FUNCTIONS[key] = kern
+    return kern
 
 
 def get_kernel(rung: Rung, dtype: str, d: int):
     """The compiled kernel of ``rung`` for one dtype and head dimension, ready to launch."""
-    kern = _module(rung.file, rung.source(), rung.defines).get_function(f"attn_fwd_{dtype}_d{d}")
-    smem = rung.shared_bytes(d)
-    if smem > STATIC_SMEM_LIMIT:
-        kern.max_dynamic_shared_size_bytes = smem
-    return kern
+    return kernel_function(rung.file, f"attn_fwd_{dtype}_d{d}", defines=rung.defines,
+                           shared_bytes=rung.shared_bytes(d))
+
+
+class Workspace:
+    """Scratch buffers that the launchers reuse from call to call: decoding's split partials, the backward's fp32
+    dQ accumulator and its D vector. Pass one ``Workspace`` to every call of a loop (``workspace=``) and no call
+    allocates beyond its outputs; a buffer grows when a call needs more and is otherwise kept.
+
+    Calls that share a workspace must run on one CUDA stream (the next call overwrites what the last one left),
+    which is how every launcher of this package runs.
+    """
+
+    def __init__(self) -> None:
+        self._flat: dict[str, Any] = {}
+        self._views: dict[tuple, Any] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype) -> Any:
+        """The buffer ``name`` as an uninitialised array of ``shape`` and ``dtype`` (contents left by the last
+        call that used it)."""
+        key = (name, shape, dtype)
+        view = self._views.get(key)
+        if view is not None:
+            return view
+        cp = _cupy()
+        size = math.prod(shape)
+        flat = self._flat.get(name)
+        if flat is None or flat.size < size or flat.dtype != dtype:
+            flat = cp.empty(max(size, 1), dtype=dtype)
+            self._flat[name] = flat
+            self._views = {k: v for k, v in self._views.items() if k[0] != name}  # views of the old buffer
+        view = flat[:size].reshape(shape)
+        self._views[key] = view
+        return view
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held on the GPU."""
+        return sum(int(b.nbytes) for b in self._flat.values())
+
+
+def _check_out(name: str, x, shape: tuple[int, ...], dtype) -> None:
+    """An array given in ``out=`` must have exactly the shape and dtype the call would have allocated."""
+    cp = _cupy()
+    if not (isinstance(x, cp.ndarray) and x.shape == shape and x.dtype == dtype and x.flags.c_contiguous):
+        raise ValueError(f"{name} must be a C-contiguous CuPy array of shape {shape} and dtype {np.dtype(dtype)}; "
+                         f"got {type(x).__name__} {getattr(x, 'shape', '')} {getattr(x, 'dtype', '')}")
 
 
 def _dtype_key(x, bf16: bool) -> str:
@@ -312,11 +399,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kern
         lse = cp.empty(q.shape[:-1], dtype=cp.float32)
     else:
         o, lse = out
-        if not (isinstance(o, cp.ndarray) and o.shape == q.shape and o.dtype == q.dtype and o.flags.c_contiguous):
-            raise ValueError("out[0] must be a C-contiguous CuPy array with q's shape and dtype")
-        if not (isinstance(lse, cp.ndarray) and lse.shape == q.shape[:-1] and lse.dtype == cp.float32
-                and lse.flags.c_contiguous):
-            raise ValueError("out[1] must be a C-contiguous float32 CuPy array of shape q.shape[:-1]")
+        _check_out("out[0]", o, q.shape, q.dtype)
+        _check_out("out[1]", lse, q.shape[:-1], cp.float32)
 
     kern = get_kernel(rung, dt, d)
     grid = (math.ceil(n / rung.block_rows), H, B)

@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .._checks import causal_offset, check_scale
+
+# flashlab.gpu imports this module after defining these (at its end); bound once, not on every call
+from . import Workspace, _check_half_launch, _check_inputs, _check_out, _cupy, kernel_function
 
 KERNEL_FILE = "bwd_r1_smem.cu"  # kernels 1 and 3, and the scalar main kernel
 MMA_FILE = "bwd_r2_mma.cu"  # the main kernel on tensor cores
@@ -99,18 +103,15 @@ def numpy_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: float | 
 
 
 def _kernels(dt: str, d: int, kernel: str):
-    from . import STATIC_SMEM_LIMIT, _file_module
-
-    mod = _file_module(KERNEL_FILE)
     mk = MAIN_KERNELS[kernel]
-    main = _file_module(mk.file).get_function(f"{mk.stem}_{dt}_d{d}")
-    if mk.shared_bytes(d) > STATIC_SMEM_LIMIT:
-        main.max_dynamic_shared_size_bytes = mk.shared_bytes(d)
-    return mod.get_function(f"bwd_dot_{dt}_d{d}"), main, mod.get_function(f"bwd_dq_{dt}")
+    return (kernel_function(KERNEL_FILE, f"bwd_dot_{dt}_d{d}"),
+            kernel_function(mk.file, f"{mk.stem}_{dt}_d{d}", shared_bytes=mk.shared_bytes(d)),
+            kernel_function(KERNEL_FILE, f"bwd_dq_{dt}"))
 
 
 def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: float | None = None,
-                       bf16: bool = False, kernel: str = DEFAULT_KERNEL):
+                       bf16: bool = False, kernel: str = DEFAULT_KERNEL, out: tuple[Any, Any, Any] | None = None,
+                       workspace: Workspace | None = None):
     """Gradients ``(dq, dk, dv)`` of attention on the GPU, recomputing P from the saved logsumexp.
 
     q, k, v as for ``flashlab.gpu.attention`` (float16, or bfloat16 bits in uint16 with ``bf16=True``; d 64 or
@@ -122,9 +123,10 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: floa
     ``kernel``: "smem" (scalar fp32 FMAs, the first version; P and dS stay fp32), "mma" (tensor cores; P and dS
     are rounded to 16 bits before their products, as in FlashAttention-2) or "pipe" ("mma" with 128 keys per block
     and cp.async double buffering); the default is DEFAULT_KERNEL.
+    ``out`` = (dq, dk, dv) writes into given arrays instead of allocating them; ``workspace`` (a
+    ``flashlab.gpu.Workspace``) keeps the fp32 dq accumulator and the D vector from call to call. With both, a
+    call allocates nothing.
     """
-    from . import _check_half_launch, _check_inputs, _cupy
-
     cp = _cupy()
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be True or False; got {causal!r}")
@@ -149,9 +151,19 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: floa
     Hk, m = (1, k.shape[0]) if k.ndim == 2 else k.shape[1:3]
     dot, main, dq_convert = _kernels(dt, d, kernel)
     rows = B * H * n
-    dvec = cp.empty(q.shape[:-1], dtype=cp.float32)
-    dq_acc = cp.zeros(q.shape, dtype=cp.float32)
-    dq, dk, dv = cp.empty_like(q), cp.empty_like(k), cp.empty_like(v)
+    if out is None:
+        dq, dk, dv = cp.empty_like(q), cp.empty_like(k), cp.empty_like(v)
+    else:
+        dq, dk, dv = out
+        for name, x, like in (("out[0]", dq, q), ("out[1]", dk, k), ("out[2]", dv, v)):
+            _check_out(name, x, like.shape, like.dtype)
+    if workspace is None:
+        dvec = cp.empty(q.shape[:-1], dtype=cp.float32)
+        dq_acc = cp.zeros(q.shape, dtype=cp.float32)
+    else:
+        dvec = workspace.get("bwd_d", q.shape[:-1], cp.float32)
+        dq_acc = workspace.get("bwd_dq_acc", q.shape, cp.float32)
+        dq_acc.fill(0)  # a memset on the stream, no kernel
     dot((math.ceil(rows / (THREADS // 32)),), (THREADS,), (o, do, dvec, np.int32(rows)))
     args = (q, k, v, do, lse, dvec, dq_acc, dk, dv, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk),
             np.float32(scale), np.int32(bool(causal)))

@@ -22,11 +22,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from .. import reference
 from .._checks import check_scale
+
+# flashlab.gpu imports this module after defining these (at its end); bound once, not on every call
+from . import Workspace, _check_half_launch, _check_inputs, _check_out, _cupy, kernel_function, sm_count
 
 KERNEL_FILE = "decode_r1_split.cu"  # the "rows" split kernel and the merge kernel both versions use
 KEYS_FILE = "decode_r2_warp_keys.cu"
@@ -137,21 +141,24 @@ def resolve_num_splits(batch: int, heads: int, kv_heads: int, n: int, m: int, nu
 
 # ------------------------------------------------------------------------------------------------ GPU: launch
 def _kernels(dt: str, d: int, kernel: str, rows: int):
-    from . import _file_module
-
-    mod = _file_module(KERNEL_FILE)
-    merge = mod.get_function(f"decode_merge_{dt}_d{d}")
+    merge = kernel_function(KERNEL_FILE, f"decode_merge_{dt}_d{d}")
     if kernel == "rows":
-        return mod.get_function(f"decode_split_{dt}_d{d}"), merge
-    return _file_module(KEYS_FILE).get_function(f"decode_keys_{dt}_d{d}_r{rows}"), merge
+        return kernel_function(KERNEL_FILE, f"decode_split_{dt}_d{d}"), merge
+    return kernel_function(KEYS_FILE, f"decode_keys_{dt}_d{d}_r{rows}"), merge
+
+
+# The kernels take a null lengths pointer to mean "every cache holds m keys" (`lens ? lens[b] : m` in both files).
+# CuPy passes a NumPy int64 by value as 8 bytes, which is exactly a null pointer's bytes: no array to fill.
+NULL_POINTER = np.int64(0)
 
 
 def _lengths_array(lengths, B: int, m: int):
+    """The lengths as the kernels take them: a device int32 array, or NULL_POINTER for "all m"."""
     from . import _cupy
 
-    cp = _cupy()
     if lengths is None:
-        return cp.full(B, m, dtype=cp.int32)
+        return NULL_POINTER
+    cp = _cupy()
     host = lengths.get() if isinstance(lengths, cp.ndarray) else np.asarray(lengths)
     if host.shape != (B,) or not np.issubdtype(host.dtype, np.integer):
         raise ValueError(f"lengths must be {B} integers (one cache length per batch element); got {host!r}")
@@ -162,7 +169,7 @@ def _lengths_array(lengths, B: int, m: int):
 
 def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Sequence[int] | None = None,
            causal: bool = False, scale: float | None = None, bf16: bool = False, return_partials: bool = False,
-           kernel: str = KERNELS[0]):
+           kernel: str = KERNELS[0], out: tuple[Any, Any] | None = None, workspace: Workspace | None = None):
     """Attention of a few query tokens against a KV cache, split over the keys (FlashDecoding). Returns (o, lse).
 
     q is (batch, heads, n, d) or (n, d); k_cache and v_cache are (batch, heads_kv, m, d) or (m, d), heads_kv
@@ -177,9 +184,12 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     o has q's shape and dtype; lse (q's shape without d, float32, natural log) is -inf for a row that sees no
     key (its o is 0). ``return_partials=True`` also returns the fp32 partials (o_parts (B, H, n, S, d),
     lse_parts (B, H, n, S)) for teaching and tests.
-    """
-    from . import _check_half_launch, _check_inputs, _cupy
 
+    ``out`` = (o, lse) writes into given arrays instead of allocating them; ``workspace`` (a
+    ``flashlab.gpu.Workspace``) keeps the partials from call to call (partials returned from a call with a
+    workspace are its buffers, overwritten by the next call). With both and the default ``lengths``, a decoding
+    step allocates nothing and launches two kernels.
+    """
     cp = _cupy()
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be True or False; got {causal!r}")
@@ -202,8 +212,7 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     if kernel == "keys" and B * Hk > 65535:
         raise ValueError(f"batch x heads_kv must be at most 65535; got {B * Hk}")
     if num_splits is None:
-        num_splits = resolve_num_splits(B, H, Hk, n, m, None, cp.cuda.Device().attributes["MultiProcessorCount"],
-                                        kernel)
+        num_splits = resolve_num_splits(B, H, Hk, n, m, None, sm_count(), kernel)
     if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
         raise TypeError(f"num_splits must be an int or None; got {num_splits!r}")
     if not 1 <= num_splits <= 65535:
@@ -212,14 +221,23 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     lens = _lengths_array(lengths, B, m)
 
     split, merge = _kernels(dt, d, kernel, rows)
-    o_parts = cp.empty((B, H, n, num_splits, d), dtype=cp.float32)
-    lse_parts = cp.empty((B, H, n, num_splits), dtype=cp.float32)
+    if workspace is None:
+        o_parts = cp.empty((B, H, n, num_splits, d), dtype=cp.float32)
+        lse_parts = cp.empty((B, H, n, num_splits), dtype=cp.float32)
+    else:
+        o_parts = workspace.get("decode_o_parts", (B, H, n, num_splits, d), cp.float32)
+        lse_parts = workspace.get("decode_lse_parts", (B, H, n, num_splits), cp.float32)
+    if out is None:
+        o = cp.empty_like(q)
+        lse = cp.empty(q.shape[:-1], dtype=cp.float32)
+    else:
+        o, lse = out
+        _check_out("out[0]", o, q.shape, q.dtype)
+        _check_out("out[1]", lse, q.shape[:-1], cp.float32)
     grid = (num_splits, Hk * chunks, B) if kernel == "rows" else (chunks, num_splits, B * Hk)
     split(grid, (128,),
           (q4, k4, v4, lens, o_parts, lse_parts, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk),
            np.int32(split_length(m, num_splits)), np.float32(scale), np.int32(bool(causal))))
-    o = cp.empty_like(q)
-    lse = cp.empty(q.shape[:-1], dtype=cp.float32)
     merge((B * H * n,), (d,), (o_parts, lse_parts, o, lse, np.int32(num_splits)))
     if return_partials:
         return o, lse, o_parts, lse_parts

@@ -1,0 +1,175 @@
+"""The launchers' host path: a repeated call reads no file, builds no kernel and allocates nothing it was given.
+
+Runs without a GPU: CuPy is replaced by the NumPy stand-in of tools/hostemu, with a RawModule that counts what it
+builds and kernels that record their launches instead of running. What is asserted is deterministic (counts of
+file reads, modules, functions, attribute sets, allocations and launches), never a time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import flashlab.gpu as fgpu
+from flashlab.gpu import backward as gbwd
+from flashlab.gpu import decoding
+
+_HOSTEMU = pathlib.Path(__file__).resolve().parents[1] / "tools" / "hostemu" / "hostemu.py"
+_spec = importlib.util.spec_from_file_location("hostemu", _HOSTEMU)
+hostemu = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hostemu)
+
+
+class Counts:
+    def __init__(self):
+        self.reads: list[str] = []
+        self.modules = 0
+        self.functions = 0
+        self.smem_sets = 0
+        self.allocations = 0
+        self.launches: list[tuple[str, tuple]] = []
+
+    def snapshot(self) -> tuple:
+        return (len(self.reads), self.modules, self.functions, self.smem_sets, self.allocations)
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """``import cupy`` gives the host stand-in with counting modules, kernels and allocators."""
+    counts = Counts()
+    cp = hostemu.fake_cupy()
+
+    class Kernel:
+        def __init__(self, name):
+            object.__setattr__(self, "name", name)
+
+        def __setattr__(self, attr, value):
+            if attr == "max_dynamic_shared_size_bytes":
+                counts.smem_sets += 1
+            object.__setattr__(self, attr, value)
+
+        def __call__(self, grid, block, args, shared_mem=0):
+            counts.launches.append((self.name, args))
+
+    class RawModule:
+        def __init__(self, code, options=()):
+            counts.modules += 1
+
+        def get_function(self, name):
+            counts.functions += 1
+            return Kernel(name)
+
+    cp.RawModule = RawModule
+    def counting(allocate):
+        def counted(*a, **k):
+            counts.allocations += 1
+            return hostemu._wrap(allocate(*a, **k))
+
+        return counted
+
+    for name in ("empty", "empty_like", "zeros", "full"):
+        setattr(cp, name, counting(getattr(np, name)))
+    cp.asarray = counting(cp.asarray)
+    real_read = pathlib.Path.read_text
+
+    def read_text(self, *a, **k):
+        if self.suffix == ".cu":
+            counts.reads.append(self.name)
+        return real_read(self, *a, **k)
+
+    monkeypatch.setattr(pathlib.Path, "read_text", read_text)
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    fgpu._module.cache_clear()
+    monkeypatch.setattr(fgpu, "_FUNCTIONS", {})
+    monkeypatch.setattr(fgpu, "_CAPABILITY", {})
+    monkeypatch.setattr(fgpu, "_SM_COUNT", {})
+    yield types.SimpleNamespace(cp=cp, counts=counts)
+    fgpu._module.cache_clear()
+
+
+def _half(cp, *shape):
+    return hostemu._wrap(np.random.default_rng(0).standard_normal(shape).astype(np.float16))
+
+
+def test_attention_builds_its_kernel_once_and_then_only_launches(stand_in):
+    cp, counts = stand_in.cp, stand_in.counts
+    q, k, v = (_half(cp, 1, 2, 64, 128) for _ in range(3))
+    out = (_half(cp, 1, 2, 64, 128), hostemu._wrap(np.empty((1, 2, 64), np.float32)))
+    fgpu.attention(q, k, v, out=out)
+    rung = fgpu.RUNGS[fgpu.BEST[("f16", 128)]]
+    assert counts.reads == [rung.file] and counts.modules == 1 and counts.functions == 1
+    assert counts.smem_sets == (rung.shared_bytes(128) > fgpu.STATIC_SMEM_LIMIT)
+    before, launched = counts.snapshot(), len(counts.launches)
+    for _ in range(3):
+        o, lse = fgpu.attention(q, k, v, out=out)
+        assert o is out[0] and lse is out[1]
+    assert counts.snapshot() == before  # no read, no module, no function, no attribute, no allocation
+    assert len(counts.launches) == launched + 3
+    fgpu.attention(q, k, v)  # without out=: the two outputs are all it allocates
+    assert counts.allocations == before[-1] + 2
+
+
+def test_backward_with_out_and_a_workspace_allocates_nothing_on_later_calls(stand_in):
+    cp, counts = stand_in.cp, stand_in.counts
+    q, k, v, o, do = (_half(cp, 1, 2, 64, 64) for _ in range(5))
+    lse = hostemu._wrap(np.zeros((1, 2, 64), np.float32))
+    grads = tuple(_half(cp, 1, 2, 64, 64) for _ in range(3))
+    ws = fgpu.Workspace()
+    fgpu.attention_backward(q, k, v, o, lse, do, out=grads, workspace=ws)
+    assert sorted(set(counts.reads)) == sorted({gbwd.KERNEL_FILE, gbwd.PIPE_FILE})
+    before, launched = counts.snapshot(), len(counts.launches)
+    acc = ws.get("bwd_dq_acc", q.shape, np.float32)
+    acc[...] = 7.0  # what a previous call left: the next call must clear it
+    result = fgpu.attention_backward(q, k, v, o, lse, do, out=grads, workspace=ws)
+    assert all(a is b for a, b in zip(result, grads, strict=True))
+    assert counts.snapshot() == before
+    assert [name for name, _ in counts.launches[launched:]] == ["bwd_dot_f16_d64", "bwd_pipe_f16_d64", "bwd_dq_f16"]
+    assert not acc.any()  # the dq accumulator was zeroed before the main kernel
+    assert counts.launches[-2][1][6] is acc  # and it is the workspace's buffer the main kernel adds into
+
+
+def test_decode_default_lengths_pass_a_null_pointer_and_reuse_the_workspace(stand_in):
+    cp, counts = stand_in.cp, stand_in.counts
+    q = _half(cp, 1, 4, 1, 128)
+    kc, vc = _half(cp, 1, 4, 1000, 128), _half(cp, 1, 4, 1000, 128)
+    out = (_half(cp, 1, 4, 1, 128), hostemu._wrap(np.empty((1, 4, 1), np.float32)))
+    ws = fgpu.Workspace()
+    fgpu.decode(q, kc, vc, out=out, workspace=ws)
+    held = ws.nbytes
+    before, launched = counts.snapshot(), len(counts.launches)
+    o, lse = fgpu.decode(q, kc, vc, out=out, workspace=ws)
+    assert o is out[0] and lse is out[1]
+    assert counts.snapshot() == before and ws.nbytes == held
+    calls = counts.launches[launched:]
+    assert [name for name, _ in calls] == ["decode_keys_f16_d128_r1", "decode_merge_f16_d128"]  # no fill kernel
+    lens = calls[0][1][3]
+    assert isinstance(lens, np.int64) and lens == 0 and lens.nbytes == 8  # a null pointer's bytes
+    # Given lengths travel as a device array, and fewer splits reuse the workspace's buffers.
+    fgpu.decode(q, kc, vc, out=out, workspace=ws, lengths=[500], num_splits=2)
+    assert isinstance(counts.launches[-2][1][3], np.ndarray) and ws.nbytes == held
+
+
+def test_kernels_are_cached_per_device(stand_in, monkeypatch):
+    cp, counts = stand_in.cp, stand_in.counts
+    q, k, v = (_half(cp, 1, 1, 16, 64) for _ in range(3))
+    fgpu.attention(q, k, v)
+    assert counts.functions == 1
+    monkeypatch.setattr(cp.cuda.Device, "id", 1, raising=False)
+    fgpu.attention(q, k, v)
+    assert counts.functions == 2 and counts.modules == 1  # loaded again on the other device, compiled once
+
+
+def test_workspace_grows_and_keeps_its_buffers(stand_in):
+    ws = fgpu.Workspace()
+    a = ws.get("x", (2, 3), np.float32)
+    assert ws.get("x", (2, 3), np.float32) is a
+    b = ws.get("x", (4,), np.float32)  # smaller: a view of the same buffer
+    assert b.size == 4 and ws.nbytes == 24
+    c = ws.get("x", (10,), np.float32)  # larger: a new buffer
+    assert c.shape == (10,) and ws.nbytes == 40
+    assert decoding.NULL_POINTER == 0
