@@ -107,14 +107,17 @@ def backward_and_decode(quick: bool = False) -> int:
                     print(f"backward {kernel:<4} {dt:<4} d={d:<4} n={n:<4} m={m:<4} causal={causal!s:<5} rel errors "
                           f"{', '.join(f'{e:.1e}' for e in errs)} {'ok' if ok else 'FAIL'}", flush=True)
                 qd = dev[0][:, :, :3].copy()  # three new tokens
-                for splits, kernel in ((1, "rows"), (3, "rows"), (1, "keys"), (3, "keys")):
-                    od, ld = fgpu.decode(qd, dev[1], dev[2], num_splits=splits, lengths=[m - 5], causal=causal,
-                                         bf16=bf, kernel=kernel)
-                    O, _ = reference.attention(q[:, :, :3], k[:, :, : m - 5], v[:, :, : m - 5], causal=causal)
+                # lengths=None: the kernels read every key through a null lengths pointer (the default call)
+                for splits, kernel, length in ((1, "rows", m - 5), (3, "rows", m - 5), (1, "keys", m - 5),
+                                               (3, "keys", m - 5), (3, "rows", None), (3, "keys", None)):
+                    od, ld = fgpu.decode(qd, dev[1], dev[2], num_splits=splits, causal=causal, bf16=bf,
+                                         kernel=kernel, lengths=None if length is None else [length])
+                    used = m if length is None else length
+                    O, _ = reference.attention(q[:, :, :3], k[:, :, :used], v[:, :, :used], causal=causal)
                     err = float(np.abs(host(od) - O).max())
                     ok = err < (3e-2 if bf else 4e-3)
                     bad += not ok
-                    print(f"decode   {kernel:<4} {dt:<4} d={d:<4} m={m:<4} splits={splits} causal={causal!s:<5} "
+                    print(f"decode   {kernel:<4} {dt:<4} d={d:<4} m={used:<4} splits={splits} causal={causal!s:<5} "
                           f"max error {err:.1e} {'ok' if ok else 'FAIL'}", flush=True)
     return _verdict(bad)
 
