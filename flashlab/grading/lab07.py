@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import fragments
 from ..fragments import shfl_xor
-from .core import Case, Lab, Mutant, NotImplementedYet, Trial, mistake_title
+from .core import Case, Lab, Mutant, NotImplementedYet, Trial, allclose, as_outputs, fmt, mistake_title
 from .known import Demo, KnownMistakes
 
 LAB = Lab("lab07", "The tensor cores, practised")
@@ -297,10 +297,46 @@ def _tile_case(t: Trial, kind: str) -> Case:
     return Case((s, fragments.row_state(m), fragments.row_state(l), o), label)
 
 
+_SOFTMAX_NAMES = ("p", "m_new", "l_new", "o")
+
+
+def _lane_differences(returned: list[tuple[tuple, object]]) -> str:
+    """For the smallest input on which the function returned wrong values: the first lane where each output
+    differs, with that lane's inputs (the arrays are too large to print whole)."""
+    wrong = []
+    for args, out in returned:
+        try:
+            got = as_outputs(out)
+        except TypeError:
+            continue
+        want = fragments.softmax_tile(*args)
+        if len(got) == len(want) and not allclose(got, want):
+            wrong.append((sum(np.size(a) for a in args), args, got, want))
+    if not wrong:
+        return ""
+    _, args, got, want = min(wrong, key=lambda w: w[0])
+    lines, lanes = [], []
+    for name, g, w in zip(_SOFTMAX_NAMES, got, want, strict=True):
+        if g.shape != w.shape:
+            lines.append(f"  {name}: shape {g.shape}, expected {w.shape}")
+            continue
+        bad = ~np.isclose(g, w, rtol=1e-9, atol=1e-12, equal_nan=True)
+        if bad.any():
+            lane = int(np.argwhere(bad)[0][0])
+            lanes.append(lane)
+            lines.append(f"  {name}, lane {lane}: expected {fmt(w[lane])}, got {fmt(g[lane])}")
+    if lanes:
+        lane = lanes[0]
+        g = lane // 4
+        s, m, l, _ = args  # noqa: E741
+        lines.append(f"  lane {lane} holds rows {g} and {g + 8}; its inputs: s = {fmt(s[lane])}, m = {fmt(m[lane])}, "
+                     f"l = {fmt(l[lane])} (lanes {4 * g}..{4 * g + 3} share these rows)")
+    return "In the smallest input where your function returned wrong values:\n" + "\n".join(lines)
+
+
 @LAB.question("q2", points=4, objects=("softmax_tile",))
 def q2(t: Trial, softmax_tile) -> None:
     """softmax_tile(s, m, l, o) returns p, m_new, l_new and the rescaled O accumulators of a warp's fragments."""
-    names = ("p", "m_new", "l_new", "o")
 
     def ref(case):
         return fragments.softmax_tile(*case.args)
@@ -309,8 +345,27 @@ def q2(t: Trial, softmax_tile) -> None:
                                        ("masked keys (-inf), rows with no key yet", 1, "masked", 4),
                                        ("scores near 1000", 1, "huge", 3)):
         cases = [_tile_case(t, kind) for _ in range(count)]
-        t.compare(label, points, student=softmax_tile, cases=cases, reference=ref, mutants=SOFTMAX_MUTANTS,
-                  names=names)
+        returned: list[tuple[tuple, object]] = []
+
+        def recorded(*args, returned=returned):
+            out = softmax_tile(*args)
+            returned.append((args, out))
+            return out
+
+        if not t.compare(label, points, student=recorded, cases=cases, reference=ref, mutants=SOFTMAX_MUTANTS,
+                         names=_SOFTMAX_NAMES):
+            _add_feedback(t, lambda returned=returned: _lane_differences(returned))
+
+
+def _add_feedback(t: Trial, extra) -> None:
+    """Append ``extra()`` (evaluated when the feedback is written) to the message of the part just added."""
+    label, got, points, message = t.parts[-1]
+
+    def both() -> str:
+        first = message() if callable(message) else message
+        return "\n".join(x for x in (first, extra()) if x)
+
+    t.parts[-1] = (label, got, points, both)
 
 
 # ----------------------------------------------------------------------------------------- q3: the swizzle
@@ -424,7 +479,7 @@ def _softmax_demo() -> Demo:
     return Demo(examples=[("one tile of 8 keys, random scores", _tile_case(t, "plain").args),
                           ("masked keys and a row with no key yet", _tile_case(t, "masked").args),
                           ("scores near 1000", _tile_case(t, "huge").args)],
-                right=lambda args: fragments.softmax_tile(*args), names=("p", "m_new", "l_new", "o"))
+                right=lambda args: fragments.softmax_tile(*args), names=_SOFTMAX_NAMES)
 
 
 def _swizzle_demo() -> Demo:
