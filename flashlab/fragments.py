@@ -8,6 +8,7 @@ as one warp instruction does.
   C/D (16×8) operands of ``mma.sync.aligned.m16n8k16.row.col`` each lane holds, in register order (the PTX
   manual's figures). With ``g = lane // 4`` (the lane's *group*) and ``t = lane % 4`` (its place in the group).
 * :func:`gather`, :func:`scatter` — a matrix to per-lane fragments and back, through any such map;
+  :func:`ldmatrix_x4` — ``ldmatrix.x4``: four 8×8 matrices from shared memory into those registers;
   :func:`mma` — one warp-wide ``D = A B + C`` on per-lane fragments; :func:`warp_tile` — chapter 7's inner loop
   of rung 3 for one warp and one key tile (S by ``mma``, softmax on fragments, O = P V by ``mma``).
 * :func:`shfl_xor` — ``__shfl_xor_sync``: every lane reads the value of lane ``lane ^ offset``;
@@ -103,6 +104,29 @@ def mma(a_frags: np.ndarray, b_frags: np.ndarray, c_frags: np.ndarray) -> np.nda
     B = scatter(np.asarray(b_frags, dtype=np.float64), b_positions, SHAPES["B"])
     C = scatter(np.asarray(c_frags, dtype=np.float64), c_positions, SHAPES["C"])
     return gather(A @ B + C, c_positions)
+
+
+def ldmatrix_x4(tile: np.ndarray, rows_chunks: np.ndarray) -> np.ndarray:
+    """``ldmatrix.sync.aligned.m8n8.x4.b16`` from a tile of 16-bit values (rows × 8·chunks), for every lane at once.
+
+    Each lane supplies the address of one 16-byte row piece: ``rows_chunks[lane] = (row, chunk)`` names halves
+    ``tile[row, 8 chunk : 8 chunk + 8]``. Lanes 8j .. 8j + 7 supply the 8 rows of matrix j (j = 0..3), and matrix
+    j arrives in register j of every lane: lane ``4g + t`` gets halves 2t and 2t + 1 of the row supplied by lane
+    8j + g. Returns (32, 8): each lane's 4 registers, two halves each, in the order of :func:`a_positions`.
+    """
+    tile = np.asarray(tile)
+    rc = np.asarray(rows_chunks)
+    if rc.shape != (LANES, 2):
+        raise ValueError(f"ldmatrix takes one (row, chunk) per lane: shape (32, 2), got {rc.shape}")
+    rows = [tile[int(r), 8 * int(c):8 * int(c) + 8] for r, c in rc]
+    if any(len(x) != 8 for x in rows) or (rc < 0).any():
+        raise IndexError("an ldmatrix row address lies outside the tile")
+    out = np.zeros((LANES, 8), dtype=tile.dtype)
+    for lane in range(LANES):
+        g, t = divmod(lane, 4)
+        for j in range(4):
+            out[lane, 2 * j:2 * j + 2] = rows[8 * j + g][2 * t:2 * t + 2]
+    return out
 
 
 # ----------------------------------------------------------------------------------------- warp shuffles

@@ -61,6 +61,20 @@ def test_mma_is_a_matrix_product_through_the_hardware_layout(rng):
     assert not np.allclose(fragments.scatter(D, fragments.c_positions, (16, 8)), A @ B + C)
 
 
+def test_ldmatrix_x4_delivers_the_a_fragment_from_the_right_addresses(rng):
+    A = rng.standard_normal((16, 16))
+    right = np.array([(lane % 16, lane // 16) for lane in range(32)])
+    assert np.array_equal(fragments.ldmatrix_x4(A, right), fragments.gather(A, fragments.a_positions))
+    # Register j of lane 4g + t holds halves 2t, 2t + 1 of the row lane 8j + g points at: for lane 13 (g = 3,
+    # t = 1), register 1 comes from lane 11, which points (reversed addresses) at row 4, chunk 1.
+    loaded = fragments.ldmatrix_x4(A, right[::-1])
+    assert tuple(right[::-1][11]) == (4, 1) and np.array_equal(loaded[13, 2:4], A[4, 10:12])
+    with pytest.raises(IndexError):
+        fragments.ldmatrix_x4(A, np.array([(lane, 0) for lane in range(32)]))
+    with pytest.raises(ValueError, match="shape"):
+        fragments.ldmatrix_x4(A, right[:16])
+
+
 def test_show_layout_marks_missing_and_shared_elements():
     right = fragments.show_layout(fragments.c_positions, (16, 8))
     assert " ? " not in right and "!!" not in right and "31:3" in right

@@ -35,14 +35,14 @@ def _released_namespace() -> dict:
     return namespace
 
 
-@pytest.mark.parametrize("question", ["q1", "q2", "q3"])
+@pytest.mark.parametrize("question", ["q1", "q2", "q3", "q4"])
 def test_the_solution_scores_full_marks(question):
     for seed in SEEDS:
         r = run_question("lab07", question, _solution(question), seed=seed)
         assert r.score == r.max_score > 0, r.feedback
 
 
-@pytest.mark.parametrize("question", ["q1", "q2", "q3"])
+@pytest.mark.parametrize("question", ["q1", "q2", "q3", "q4"])
 def test_the_released_stubs_score_zero(question):
     namespace = _released_namespace()
     objects = [namespace[name] for name in get_lab("lab07").questions[question].objects]
@@ -50,8 +50,8 @@ def test_the_released_stubs_score_zero(question):
     assert r.score == 0 and "not implemented yet" in r.feedback, r.feedback
 
 
-def test_the_lab_is_worth_ten_points_on_a_cpu():
-    assert get_lab("lab07").max_score == 10
+def test_the_lab_is_worth_twelve_points_on_a_cpu():
+    assert get_lab("lab07").max_score == 12
     assert not mistakes.needs_gpu("lab07") and not mistakes.needs_simulator("lab07")
 
 
@@ -73,8 +73,9 @@ def test_each_mistake_is_named_alone_with_one_score_over_seeds(mistake):
 
 
 def test_there_are_many_known_mistakes_in_every_question():
-    per_question = {q: sum(m.question == q for m in mistakes.catalogue(["lab07"])) for q in ("q1", "q2", "q3")}
+    per_question = {q: sum(m.question == q for m in mistakes.catalogue(["lab07"])) for q in ("q1", "q2", "q3", "q4")}
     assert per_question["q1"] >= 8 and per_question["q2"] >= 10 and per_question["q3"] >= 5, per_question
+    assert per_question["q4"] >= 4, per_question
 
 
 def test_a_wrong_map_fails_the_product_too():
@@ -127,3 +128,10 @@ def test_chapter_9_reports_a_lab07_mistake_with_its_demo():
     assert "(recognised)" in text and "worst passes per 8-row block" in text
     rows = mistakes.demo(mistakes.find("lab07", "one max for both rows"))
     assert rows is not None and any(row.differs for row in rows)
+
+
+def test_ldmatrix_addresses_outside_the_tile_are_explained():
+    r = run_question("lab07", "q4", [lambda lane: (lane, 0)], seed=5)
+    assert r.score == 0 and "lane 16 points at row 16, chunk 0: outside the 16 × 16 tile" in r.feedback, r.feedback
+    r = run_question("lab07", "q4", [lab07._ld_own_row], seed=5)
+    assert "receives A at row 2, column 0, where the mma expects row 8, column 0" in r.feedback, r.feedback

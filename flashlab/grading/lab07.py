@@ -4,7 +4,8 @@ q1: the lane ↔ element maps of the A, B and C operands of ``mma.sync.m16n8k16`
 ``b_positions``, ``c_positions``), checked lane by lane and by running the emulated instruction with them.
 q2: ``softmax_tile``, one key tile of the online softmax on a warp's S fragments (quad reductions with
 ``shfl_xor``, rescaled l and O accumulators). q3: ``swizzle(row, chunk)``, a layout of a d = 128 fp16 tile in
-shared memory whose every ``ldmatrix`` phase takes one pass.
+shared memory whose every ``ldmatrix`` phase takes one pass. q4: ``ldmatrix_rows(lane)``, the row of a 16×16 A tile
+each lane points ``ldmatrix.x4`` at, so that the four registers arrive as ``mma.sync``'s A fragment.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ ANSWERS = {
     "q1": ("flashlab.fragments.a_positions", "flashlab.fragments.b_positions", "flashlab.fragments.c_positions"),
     "q2": ("flashlab.fragments.softmax_tile", "flashlab.grading.lab07._softmax_variant"),
     "q3": ("flashlab.fragments.swizzle",),
+    "q4": ("flashlab.grading.lab07._ldmatrix_a_rows",),
 }
 
 _OPERANDS = {"A": (16, 16, 8), "B": (16, 8, 4), "C": (16, 8, 4)}  # rows, columns, values per lane
@@ -467,6 +469,89 @@ def q3(t: Trial, swizzle) -> None:
     t.expect("every ldmatrix phase (8 rows × 16 bytes) takes 1 pass", 1, counts.max() == 1, hint)
 
 
+# ------------------------------------------------------------------------------- q4: ldmatrix's addresses
+def _ldmatrix_a_rows(lane):
+    """The right answer: lanes 0-7, 8-15, 16-23, 24-31 point at matrices a0 .. a3 (rows 0-7 / 8-15, k 0-7 / 8-15)."""
+    return (lane % 16, lane // 16)
+
+
+def _ld_matrices_swapped(lane):
+    return (lane % 8 + 8 * (lane // 16), (lane // 8) % 2)
+
+
+def _ld_along_k(lane):
+    return (lane % 8, lane // 8)
+
+
+def _ld_own_row(lane):
+    return (lane // 4, 0)
+
+
+def _ld_same_matrix(lane):
+    return (lane % 8, 0)
+
+
+def _ld_row_major(lane):
+    return (lane // 2, lane % 2)
+
+
+LDMATRIX_MUTANTS = [
+    Mutant("matrices 1 and 2 swapped: register a1 is rows 8-15 at k 0-7 and a2 rows 0-7 at k 8-15, so lanes 8-15 "
+           "point at rows 8-15, chunk 0, and lanes 16-23 at rows 0-7, chunk 1.", fn=_ld_matrices_swapped),
+    Mutant("the four matrices laid side by side along k: a 16×16 tile is 2 chunks wide and 16 rows tall — "
+           "matrices 1 and 3 are rows 8-15; use row = lane % 16, chunk = lane // 16.", fn=_ld_along_k),
+    Mutant("each lane points at the row its own values come from (lane // 4): in ldmatrix a lane supplies the "
+           "address of one row for the whole warp — lane 8j + i the i-th row of matrix j.", fn=_ld_own_row),
+    Mutant("all four matrices load the same 8 rows (as for ldmatrix.x1): with .x4, lanes 8j .. 8j + 7 give the "
+           "rows of matrix j, a different 8×8 block for each register.", fn=_ld_same_matrix),
+    Mutant("the tile's rows in reading order, two lanes per row: ldmatrix does not fill registers in row-major "
+           "order; lanes 8j .. 8j + 7 give the 8 rows of matrix j.", fn=_ld_row_major),
+]
+
+
+def _ldmatrix_hint(t: Trial, student) -> str:
+    """Why A's fragments loaded by ldmatrix.x4 from the student's addresses are not the mma's ('' if they are)."""
+    try:
+        rc = np.array([np.asarray(t.call(student, lane), dtype=float) for lane in range(32)])
+    except (TypeError, ValueError):
+        return "every lane must give one (row, chunk) pair"
+    if rc.shape != (32, 2) or not np.all(rc == np.round(rc)):
+        return "every lane must give one (row, chunk) pair of whole numbers"
+    rc = rc.astype(int)
+    A = t.rng.standard_normal((16, 16)).astype(np.float16).astype(np.float64)
+    B = t.rng.standard_normal((16, 8)).astype(np.float16).astype(np.float64)
+    try:
+        a = fragments.ldmatrix_x4(A, rc)
+    except IndexError:
+        lane = int(np.argwhere((rc[:, 0] < 0) | (rc[:, 0] > 15) | (rc[:, 1] < 0) | (rc[:, 1] > 1))[0][0])
+        return f"lane {lane} points at row {rc[lane, 0]}, chunk {rc[lane, 1]}: outside the 16 × 16 tile (2 chunks wide)"
+    D = fragments.scatter(fragments.mma(a, fragments.gather(B, fragments.b_positions), np.zeros((32, 4))),
+                          fragments.c_positions, (16, 8))
+    wrong = ~np.isclose(D, A @ B, rtol=1e-12, atol=1e-12)
+    if not wrong.any():
+        return ""
+    want = fragments.gather(np.arange(256).reshape(16, 16), fragments.a_positions)
+    got = fragments.ldmatrix_x4(np.arange(256).reshape(16, 16), rc)
+    lane, value = (int(x) for x in np.argwhere(want != got)[0])
+    r, c = divmod(int(got[lane, value]), 16)
+    rw, cw = divmod(int(want[lane, value]), 16)
+    return (f"the fragments ldmatrix.x4 loads with your addresses make mma.sync compute a wrong D = A B at "
+            f"{int(wrong.sum())} of 128 elements: lane {lane}'s value {value} (register a{value // 2}) receives A at "
+            f"row {r}, column {c}, where the mma expects row {rw}, column {cw}.")
+
+
+@LAB.question("q4", points=2, objects=("ldmatrix_rows",))
+def q4(t: Trial, ldmatrix_rows) -> None:
+    """ldmatrix_rows(lane) gives the (row, chunk) of the 16×16 A tile that each lane points ldmatrix.x4 at."""
+    lanes = [int(x) for x in t.rng.permutation(32)]
+    t.compare("the (row, chunk) every lane supplies", 1, student=ldmatrix_rows,
+              cases=[Case((lane,), f"lane {lane}") for lane in lanes],
+              reference=lambda c: _positions_run(_ldmatrix_a_rows, c), run=_positions_run, mutants=LDMATRIX_MUTANTS,
+              names=("(row, chunk)",))
+    hint = _ldmatrix_hint(t, ldmatrix_rows)
+    t.expect("ldmatrix.x4 with your addresses loads the A fragments of mma.sync", 1, not hint, hint)
+
+
 # ------------------------------------------------------------------------------ chapter 9: the known mistakes
 def _positions_demo(truth) -> Demo:
     return Demo(examples=[(f"lane {lane}", (lane,)) for lane in (0, 5, 13)],
@@ -496,5 +581,6 @@ KNOWN_MISTAKES = KnownMistakes(
     demos={"A_POSITIONS_MUTANTS": lambda: _positions_demo(fragments.a_positions),
            "B_POSITIONS_MUTANTS": lambda: _positions_demo(fragments.b_positions),
            "C_POSITIONS_MUTANTS": lambda: _positions_demo(fragments.c_positions),
-           "SOFTMAX_MUTANTS": _softmax_demo, "SWIZZLE_MUTANTS": _swizzle_demo},
+           "SOFTMAX_MUTANTS": _softmax_demo, "SWIZZLE_MUTANTS": _swizzle_demo,
+           "LDMATRIX_MUTANTS": lambda: _positions_demo(_ldmatrix_a_rows)},
 )
