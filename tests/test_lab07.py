@@ -135,3 +135,15 @@ def test_ldmatrix_addresses_outside_the_tile_are_explained():
     assert r.score == 0 and "lane 16 points at row 16, chunk 0: outside the 16 × 16 tile" in r.feedback, r.feedback
     r = run_question("lab07", "q4", [lab07._ld_own_row], seed=5)
     assert "receives A at row 2, column 0, where the mma expects row 8, column 0" in r.feedback, r.feedback
+
+
+def test_an_exception_in_a_map_is_feedback_and_the_other_parts_keep_their_points():
+    a, b, c = _solution("q1")
+
+    def c_breaks_on_lane_7(lane):
+        if lane == 7:
+            raise IndexError("list index out of range")
+        return c(lane)
+
+    r = run_question("lab07", "q1", [a, b, c_breaks_on_lane_7], seed=6)
+    assert r.score == 2 and "lane 7: IndexError: list index out of range" in r.feedback, r.feedback

@@ -19,7 +19,7 @@ from .known import Demo, KnownMistakes
 
 LAB = Lab("lab07", "The tensor cores, practised")
 
-#: The three graders run on a CPU: the emulator is NumPy (chapter 9 and the seed sweep read this).
+#: Every question runs on a CPU: the emulator is NumPy (chapter 9 and the seed sweep read this).
 NEEDS_GPU = False
 
 # The course's own answers (flashlab.grading.answers): calling one scores 0. _softmax_variant with every switch
@@ -130,8 +130,10 @@ def _positions_array(t: Trial, fn, count: int) -> np.ndarray | str:
     for lane in range(32):
         try:
             pos = np.asarray(t.call(fn, lane), dtype=float)
-        except (TypeError, ValueError):
-            return f"lane {lane}'s positions are not a list of (row, column) pairs"
+        except NotImplementedYet:
+            raise
+        except Exception as e:  # the student's bug, or not a list of pairs: feedback, like compare's
+            return f"lane {lane}: {type(e).__name__}: {e}"[:300]
         if pos.shape != (count, 2) or not np.all(pos == np.round(pos)):
             return f"lane {lane} gave {pos.shape[0] if pos.ndim else 0} positions; it holds {count} (row, column) pairs"
         out.append(pos.astype(int))
@@ -513,8 +515,10 @@ def _ldmatrix_hint(t: Trial, student) -> str:
     """Why A's fragments loaded by ldmatrix.x4 from the student's addresses are not the mma's ('' if they are)."""
     try:
         rc = np.array([np.asarray(t.call(student, lane), dtype=float) for lane in range(32)])
-    except (TypeError, ValueError):
-        return "every lane must give one (row, chunk) pair"
+    except NotImplementedYet:
+        raise
+    except Exception as e:  # the student's bug, or not one pair per lane: feedback, like compare's
+        return f"your ldmatrix_rows raised {type(e).__name__}: {e}"[:300]
     if rc.shape != (32, 2) or not np.all(rc == np.round(rc)):
         return "every lane must give one (row, chunk) pair of whole numbers"
     rc = rc.astype(int)
