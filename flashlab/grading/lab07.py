@@ -1,0 +1,590 @@
+"""Lab 07 — the tensor cores, practised on the CPU through the fragment emulator (:mod:`flashlab.fragments`).
+
+q1: the lane ↔ element maps of the A, B and C operands of ``mma.sync.m16n8k16`` (``a_positions``,
+``b_positions``, ``c_positions``), checked lane by lane and by running the emulated instruction with them.
+q2: ``softmax_tile``, one key tile of the online softmax on a warp's S fragments (quad reductions with
+``shfl_xor``, rescaled l and O accumulators). q3: ``swizzle(row, chunk)``, a layout of a d = 128 fp16 tile in
+shared memory whose every ``ldmatrix`` phase takes one pass. q4: ``ldmatrix_rows(lane)``, the row of a 16×16 A tile
+each lane points ``ldmatrix.x4`` at, so that the four registers arrive as ``mma.sync``'s A fragment.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import fragments
+from ..fragments import shfl_xor
+from .core import Case, Lab, Mutant, NotImplementedYet, Trial, allclose, as_outputs, fmt, mistake_title
+from .known import Demo, KnownMistakes
+
+LAB = Lab("lab07", "The tensor cores, practised")
+
+#: Every question runs on a CPU: the emulator is NumPy (chapter 9 and the seed sweep read this).
+NEEDS_GPU = False
+
+# The course's own answers (flashlab.grading.answers): calling one scores 0. _softmax_variant with every switch
+# off is a right softmax_tile.
+ANSWERS = {
+    "q1": ("flashlab.fragments.a_positions", "flashlab.fragments.b_positions", "flashlab.fragments.c_positions"),
+    "q2": ("flashlab.fragments.softmax_tile", "flashlab.grading.lab07._softmax_variant"),
+    "q3": ("flashlab.fragments.swizzle",),
+    "q4": ("flashlab.grading.lab07._ldmatrix_a_rows",),
+}
+
+_OPERANDS = {"A": (16, 16, 8), "B": (16, 8, 4), "C": (16, 8, 4)}  # rows, columns, values per lane
+
+
+# -------------------------------------------------------------------------------------------- q1: the maps
+def _a_g_t_swapped(lane):
+    g, t = lane % 4, lane // 4
+    return [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1),
+            (g, 2 * t + 8), (g, 2 * t + 9), (g + 8, 2 * t + 8), (g + 8, 2 * t + 9)]
+
+
+def _a_transposed(lane):
+    g, t = divmod(lane, 4)
+    return [(2 * t, g), (2 * t + 1, g), (2 * t, g + 8), (2 * t + 1, g + 8),
+            (2 * t + 8, g), (2 * t + 9, g), (2 * t + 8, g + 8), (2 * t + 9, g + 8)]
+
+
+def _a_halves_swapped(lane):
+    g, t = divmod(lane, 4)
+    return [(g, 2 * t), (g, 2 * t + 1), (g, 2 * t + 8), (g, 2 * t + 9),
+            (g + 8, 2 * t), (g + 8, 2 * t + 1), (g + 8, 2 * t + 8), (g + 8, 2 * t + 9)]
+
+
+def _a_no_pairs(lane):
+    g, t = divmod(lane, 4)
+    return [(g, t), (g, t + 1), (g + 8, t), (g + 8, t + 1), (g, t + 8), (g, t + 9), (g + 8, t + 8), (g + 8, t + 9)]
+
+
+A_POSITIONS_MUTANTS = [
+    Mutant("g and t swapped in A: a lane's group is g = lane // 4 (the row, 0..7) and its place in the group "
+           "t = lane % 4 (which pair of columns); you used g = lane % 4 and t = lane // 4.", fn=_a_g_t_swapped),
+    Mutant("A is read transposed (row and column swapped): A is row-major (.row), so each register holds two "
+           "halves of one row g or g + 8, at columns 2t and 2t + 1 (+ 8 for a2, a3).", fn=_a_transposed),
+    Mutant("the +8 halves of A in the wrong order: a1 holds row g + 8 (columns 2t, 2t + 1) and a2 holds row g at "
+           "columns 2t + 8, 2t + 9 — the row moves first, then the k half.", fn=_a_halves_swapped),
+    Mutant("A's column pairs start at t, not 2t: each 32-bit register holds two consecutive halves, so the four "
+           "lanes of a group cover columns 0-1, 2-3, 4-5, 6-7 (2t and 2t + 1).", fn=_a_no_pairs),
+]
+
+
+def _b_g_t_swapped(lane):
+    g, t = lane % 4, lane // 4
+    return [(2 * t, g), (2 * t + 1, g), (2 * t + 8, g), (2 * t + 9, g)]
+
+
+def _b_transposed(lane):
+    g, t = divmod(lane, 4)
+    return [(g, 2 * t), (g, 2 * t + 1), (g, 2 * t + 8), (g, 2 * t + 9)]
+
+
+def _b_halves_swapped(lane):
+    g, t = divmod(lane, 4)
+    return [(2 * t, g), (2 * t + 8, g), (2 * t + 1, g), (2 * t + 9, g)]
+
+
+B_POSITIONS_MUTANTS = [
+    Mutant("g and t swapped in B: B's column is the group g = lane // 4 and its k pair starts at 2t with "
+           "t = lane % 4; you used g = lane % 4 and t = lane // 4.", fn=_b_g_t_swapped),
+    Mutant("B is read transposed (row and column swapped): B is column-major (.col): a lane holds column g, at "
+           "k = 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1) — positions are (k, column).", fn=_b_transposed),
+    Mutant("the halves of B in the wrong order: a register holds two consecutive k, so b0 = (2t, 2t + 1) and "
+           "b1 = (2t + 8, 2t + 9), in that order.", fn=_b_halves_swapped),
+]
+
+
+def _c_g_t_swapped(lane):
+    g, t = lane % 4, lane // 4
+    return [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)]
+
+
+def _c_transposed(lane):
+    g, t = divmod(lane, 4)
+    return [(2 * t, g), (2 * t + 1, g), (2 * t, g + 8), (2 * t + 1, g + 8)]
+
+
+def _c_halves_swapped(lane):
+    g, t = divmod(lane, 4)
+    return [(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t + 1)]
+
+
+C_POSITIONS_MUTANTS = [
+    Mutant("g and t swapped in C: a lane's rows are g and g + 8 with g = lane // 4, its columns 2t and 2t + 1 "
+           "with t = lane % 4; you used g = lane % 4 and t = lane // 4.", fn=_c_g_t_swapped),
+    Mutant("C is read transposed (row and column swapped): C is 16 rows × 8 columns and a lane holds rows g and "
+           "g + 8, columns 2t and 2t + 1: positions are (row, column).", fn=_c_transposed),
+    Mutant("the values of C in the wrong order: c0, c1 are row g (columns 2t, 2t + 1) and c2, c3 row g + 8 — "
+           "the two columns of one row come first.", fn=_c_halves_swapped),
+]
+
+
+def _positions_run(fn, case: Case):
+    return (np.asarray(fn(*case.args), dtype=float),)
+
+
+def _positions_array(t: Trial, fn, count: int) -> np.ndarray | str:
+    """The student's map for every lane as an int array (32, count, 2), or why it is not one."""
+    out = []
+    for lane in range(32):
+        try:
+            pos = np.asarray(t.call(fn, lane), dtype=float)
+        except NotImplementedYet:
+            raise
+        except Exception as e:  # the student's bug, or not a list of pairs: feedback, like compare's
+            return f"lane {lane}: {type(e).__name__}: {e}"[:300]
+        if pos.shape != (count, 2) or not np.all(pos == np.round(pos)):
+            return f"lane {lane} gave {pos.shape[0] if pos.ndim else 0} positions; it holds {count} (row, column) pairs"
+        out.append(pos.astype(int))
+    return np.array(out)
+
+
+def _product_hint(pos: dict[str, np.ndarray | str], t: Trial) -> str:
+    """Why ``D = A B + C`` through the emulated ``mma.sync`` with these maps is wrong ('' if it is right)."""
+    for name, p in pos.items():
+        if isinstance(p, str):
+            return f"{name}: {p}"
+        rows, cols, _ = _OPERANDS[name]
+        bad = (p[..., 0] < 0) | (p[..., 0] >= rows) | (p[..., 1] < 0) | (p[..., 1] >= cols)
+        if bad.any():
+            lane, reg = (int(x) for x in np.argwhere(bad)[0])
+            return (f"lane {lane}'s value {reg} of {name} is at {tuple(int(x) for x in p[lane, reg])}, outside the "
+                    f"{rows}×{cols} {name}")
+    A = t.rng.standard_normal((16, 16)).astype(np.float16).astype(np.float64)
+    B = t.rng.standard_normal((16, 8)).astype(np.float16).astype(np.float64)
+    C = t.rng.standard_normal((16, 8))
+    frags = {n: np.array([[M[r, c] for r, c in pos[n][lane]] for lane in range(32)]) for n, M in
+             (("A", A), ("B", B), ("C", C))}
+    D_frags = fragments.mma(frags["A"], frags["B"], frags["C"])  # the hardware's layout, whatever the maps say
+    D = np.full((16, 8), np.nan)
+    for lane in range(32):
+        for (r, c), x in zip(pos["C"][lane], D_frags[lane], strict=True):
+            D[r, c] = x
+    want = A @ B + C
+    wrong = ~np.isclose(D, want, rtol=1e-12, atol=1e-12)
+    if not wrong.any():
+        return ""
+    r, c = (int(x) for x in np.argwhere(wrong)[0])
+    return (f"loaded with your maps, run through the emulated mma.sync and read back with your C map, D = A B + C "
+            f"is wrong at {int(wrong.sum())} of 128 elements (first at row {r}, column {c}: expected "
+            f"{want[r, c]:.4g}, got {D[r, c]:.4g}). The tensor core reads each register where the hardware's "
+            "layout puts it: a lane must load exactly the elements that layout assigns to it.")
+
+
+@LAB.question("q1", points=4, objects=("a_positions", "b_positions", "c_positions"))
+def q1(t: Trial, a_positions, b_positions, c_positions) -> None:
+    """a_positions, b_positions, c_positions give, per lane, the elements of A, B, C it holds, in register order."""
+    lanes = [int(x) for x in t.rng.permutation(32)]
+    maps = {"A": (a_positions, fragments.a_positions, A_POSITIONS_MUTANTS),
+            "B": (b_positions, fragments.b_positions, B_POSITIONS_MUTANTS),
+            "C": (c_positions, fragments.c_positions, C_POSITIONS_MUTANTS)}
+    for name, (student, truth, mutants) in maps.items():
+        rows, cols, count = _OPERANDS[name]
+        cases = [Case((lane,), f"lane {lane}") for lane in lanes]
+        t.compare(f"{name} ({rows}×{cols}): the {count} (row, column) positions of every lane", 1, student=student,
+                  cases=cases, reference=lambda c, truth=truth: _positions_run(truth, c), run=_positions_run,
+                  mutants=mutants, names=("positions",))
+    pos = {name: _positions_array(t, maps[name][0], _OPERANDS[name][2]) for name in maps}
+    hint = _product_hint(pos, t)
+    t.expect("the emulated mma.sync with your three maps computes D = A B + C", 1, not hint, hint)
+
+
+# ------------------------------------------------------------------------------ q2: the softmax on fragments
+_ROW = [0, 0, 1, 1]  # value j of a lane's C fragment belongs to row g (j = 0, 1) or g + 8 (j = 2, 3)
+
+
+def _softmax_variant(s, m, l, o, *, offsets=(1, 2), sum_offsets=None, rescale_o=True, rescale_l=True,  # noqa: E741
+                     exponent="new max", rows="right", guard=True, alpha_sign=1):
+    """softmax_tile with one switch per classic mistake (the defaults give the right answer)."""
+    s, m, l, o = (np.asarray(x, dtype=np.float64) for x in (s, m, l, o))
+    if rows == "swapped":
+        own = np.stack([s[:, :, 2:4].max(axis=(1, 2)), s[:, :, 0:2].max(axis=(1, 2))], axis=1)
+    elif rows == "merged":
+        own = np.repeat(s.max(axis=(1, 2))[:, None], 2, axis=1)
+    else:
+        own = np.stack([s[:, :, 0:2].max(axis=(1, 2)), s[:, :, 2:4].max(axis=(1, 2))], axis=1)
+    tile_max = own
+    for k in offsets:
+        tile_max = np.maximum(tile_max, shfl_xor(tile_max, k))
+    m_new = np.maximum(m, tile_max)
+    safe = np.where(np.isneginf(m_new), 0.0, m_new) if guard else m_new
+    alpha = np.exp(alpha_sign * (m - safe))
+    if exponent == "raw":
+        base = np.zeros_like(m)
+    elif exponent == "old max":
+        base = np.where(np.isneginf(m), 0.0, m)
+    elif exponent == "tile max":
+        base = np.where(np.isneginf(tile_max), 0.0, tile_max)
+    else:
+        base = safe
+    if rows == "swapped":
+        base_values = base[:, [1, 1, 0, 0]]
+    else:
+        base_values = base[:, _ROW]
+    p = np.exp(s - base_values[:, None, :])
+    own_sum = np.stack([p[:, :, 0:2].sum(axis=(1, 2)), p[:, :, 2:4].sum(axis=(1, 2))], axis=1)
+    tile_sum = own_sum
+    for k in (offsets if sum_offsets is None else sum_offsets):
+        tile_sum = tile_sum + shfl_xor(tile_sum, k)
+    l_new = (alpha * l if rescale_l else l) + tile_sum
+    o_new = o * alpha[:, None, _ROW] if rescale_o else o
+    return p, m_new, l_new, o_new
+
+
+def _softmax_switch(**flags):
+    def softmax_tile(s, m, l, o):  # noqa: E741
+        return _softmax_variant(s, m, l, o, **flags)
+
+    return softmax_tile
+
+
+SOFTMAX_MUTANTS = [
+    Mutant("the row max and sum are reduced over the wrong lanes (shfl_xor with 4 and 8): those lanes hold other "
+           "rows. The 4 lanes of a quad (same g = lane // 4) hold one row's values: reduce with offsets 1 and 2.",
+           fn=_softmax_switch(offsets=(4, 8))),
+    Mutant("the row max and sum are reduced over the whole warp (offsets 16, 8, 4, 2, 1): that mixes the 16 rows "
+           "together. Only the 4 lanes of a quad share a row: offsets 1 and 2.",
+           fn=_softmax_switch(offsets=(16, 8, 4, 2, 1))),
+    Mutant("only half a quad is reduced (one shuffle, offset 1): lanes t = 0, 1 and t = 2, 3 then disagree about "
+           "the row. A quad has 4 lanes: shfl_xor with 1, then with 2.", fn=_softmax_switch(offsets=(1,))),
+    Mutant("the row sum is not reduced across the quad: each lane's l counts only its own columns. Add the sums "
+           "of the quad with shfl_xor (offsets 1 and 2), as for the max.", fn=_softmax_switch(sum_offsets=())),
+    Mutant("O is not rescaled when the row max grows: the accumulators were summed against the old max; multiply "
+           "each by alpha = exp(m_old - m_new) of its row (values 0, 1: row g; 2, 3: row g + 8).",
+           fn=_softmax_switch(rescale_o=False)),
+    Mutant("l is not rescaled when the row max grows: l_new = alpha * l + rowsum(p), with alpha = exp(m_old - "
+           "m_new).", fn=_softmax_switch(rescale_l=False)),
+    Mutant("alpha is inverted: exp(m_new - m_old) grows without bound; the old sums shrink by "
+           "alpha = exp(m_old - m_new) <= 1.", fn=_softmax_switch(alpha_sign=-1)),
+    Mutant("exp without subtracting the max: p = exp(s) overflows for large scores and disagrees with m; "
+           "p = exp(s - m_new), with the new running max of the row.", fn=_softmax_switch(exponent="raw")),
+    Mutant("p subtracts the old max: p = exp(s - m_old) is measured against a max the tile may have raised (and "
+           "overflows then); subtract the new running max m_new.", fn=_softmax_switch(exponent="old max")),
+    Mutant("p subtracts the tile's max instead of the running max: when an earlier tile had the larger max, p must "
+           "still be exp(s - m_new) with m_new = max(m_old, tile max), the scale l and O are kept at.",
+           fn=_softmax_switch(exponent="tile max")),
+    Mutant("rows g and g + 8 swapped: a lane's values 0, 1 are row g (m[:, 0], l[:, 0]) and values 2, 3 row "
+           "g + 8 (m[:, 1], l[:, 1]).", fn=_softmax_switch(rows="swapped")),
+    Mutant("one max for both rows of a lane: values 0, 1 (row g) and 2, 3 (row g + 8) are two different rows; "
+           "take a max per row.", fn=_softmax_switch(rows="merged")),
+    Mutant("a row with no unmasked key yet gives nan: with m_new = -inf, exp(s - m_new) = exp(-inf + inf). "
+           "Subtract 0 instead while the max is still -inf (p = 0, l = 0 and O = 0 stay).",
+           fn=_softmax_switch(guard=False)),
+]
+
+
+def _tile_case(t: Trial, kind: str) -> Case:
+    """A warp's S fragments for one key tile and the state before it, each row chosen to expose a mistake."""
+    tiles = int(t.rng.choice([1, 2, 4]))
+    dv_tiles = int(t.rng.choice([1, 2, 4]))
+    S = t.rng.standard_normal((16, 8 * tiles)) * 2.0
+    if kind == "huge":
+        S += 1000.0
+    # Each row: "first" (no key seen yet), "rises" (this tile raises the max), "stays" (an earlier tile had more).
+    roles = np.array(["first", "rises", "stays"] * 6)[:16]
+    roles = roles[t.rng.permutation(16)]
+    if kind == "masked":
+        S[t.rng.random(S.shape) < 0.3] = -np.inf
+        roles[0], roles[1] = "first", "stays"
+        S[0] = -np.inf  # no key yet and none in this tile: the row stays empty
+        S[1] = -np.inf  # keys seen before, all masked here
+    row_max = np.where(np.isneginf(S).all(axis=1), 0.0, np.max(np.where(np.isneginf(S), -1e300, S), axis=1))
+    m = np.where(roles == "first", -np.inf,
+                 np.where(roles == "rises", row_max - t.rng.uniform(0.5, 3.0, 16), row_max + t.rng.uniform(0.5, 3, 16)))
+    l = np.where(roles == "first", 0.0, t.rng.uniform(0.5, 4.0, 16))  # noqa: E741
+    O = t.rng.standard_normal((16, 8 * dv_tiles)) * (roles != "first")[:, None]
+    s = np.stack([fragments.gather(S[:, 8 * k:8 * k + 8], fragments.c_positions) for k in range(tiles)], axis=1)
+    o = np.stack([fragments.gather(O[:, 8 * k:8 * k + 8], fragments.c_positions) for k in range(dv_tiles)], axis=1)
+    label = f"{tiles} tile(s) of 8 keys, dv = {8 * dv_tiles}" + {"masked": ", masked keys (-inf) and empty rows",
+                                                                  "huge": ", scores near 1000"}.get(kind, "")
+    return Case((s, fragments.row_state(m), fragments.row_state(l), o), label)
+
+
+_SOFTMAX_NAMES = ("p", "m_new", "l_new", "o")
+
+
+def _lane_differences(returned: list[tuple[tuple, object]]) -> str:
+    """For the smallest input on which the function returned wrong values: the first lane where each output
+    differs, with that lane's inputs (the arrays are too large to print whole)."""
+    wrong = []
+    for args, out in returned:
+        try:
+            got = as_outputs(out)
+        except TypeError:
+            continue
+        want = fragments.softmax_tile(*args)
+        if len(got) == len(want) and not allclose(got, want):
+            wrong.append((sum(np.size(a) for a in args), args, got, want))
+    if not wrong:
+        return ""
+    _, args, got, want = min(wrong, key=lambda w: w[0])
+    lines, lanes = [], []
+    for name, g, w in zip(_SOFTMAX_NAMES, got, want, strict=True):
+        if g.shape != w.shape:
+            lines.append(f"  {name}: shape {g.shape}, expected {w.shape}")
+            continue
+        bad = ~np.isclose(g, w, rtol=1e-9, atol=1e-12, equal_nan=True)
+        if bad.any():
+            lane = int(np.argwhere(bad)[0][0])
+            lanes.append(lane)
+            lines.append(f"  {name}, lane {lane}: expected {fmt(w[lane])}, got {fmt(g[lane])}")
+    if lanes:
+        lane = lanes[0]
+        g = lane // 4
+        s, m, l, _ = args  # noqa: E741
+        lines.append(f"  lane {lane} holds rows {g} and {g + 8}; its inputs: s = {fmt(s[lane])}, m = {fmt(m[lane])}, "
+                     f"l = {fmt(l[lane])} (lanes {4 * g}..{4 * g + 3} share these rows)")
+    return "In the smallest input where your function returned wrong values:\n" + "\n".join(lines)
+
+
+@LAB.question("q2", points=4, objects=("softmax_tile",))
+def q2(t: Trial, softmax_tile) -> None:
+    """softmax_tile(s, m, l, o) returns p, m_new, l_new and the rescaled O accumulators of a warp's fragments."""
+
+    def ref(case):
+        return fragments.softmax_tile(*case.args)
+
+    for label, points, kind, count in (("random tiles", 2, "plain", 6),
+                                       ("masked keys (-inf), rows with no key yet", 1, "masked", 4),
+                                       ("scores near 1000", 1, "huge", 3)):
+        cases = [_tile_case(t, kind) for _ in range(count)]
+        returned: list[tuple[tuple, object]] = []
+
+        def recorded(*args, returned=returned):
+            out = softmax_tile(*args)
+            returned.append((args, out))
+            return out
+
+        if not t.compare(label, points, student=recorded, cases=cases, reference=ref, mutants=SOFTMAX_MUTANTS,
+                         names=_SOFTMAX_NAMES):
+            _add_feedback(t, lambda returned=returned: _lane_differences(returned))
+
+
+def _add_feedback(t: Trial, extra) -> None:
+    """Append ``extra()`` (evaluated when the feedback is written) to the message of the part just added."""
+    label, got, points, message = t.parts[-1]
+
+    def both() -> str:
+        first = message() if callable(message) else message
+        return "\n".join(x for x in (first, extra()) if x)
+
+    t.parts[-1] = (label, got, points, both)
+
+
+# ----------------------------------------------------------------------------------------- q3: the swizzle
+CHUNKS = 16  # a d = 128 fp16 row is 256 bytes: 16 chunks of 16 bytes
+
+
+def _swizzle_none(row, chunk):
+    return chunk
+
+
+def _swizzle_row_block(row, chunk):
+    return chunk ^ (row // 8)
+
+
+def _swizzle_mod4(row, chunk):
+    return chunk ^ (row % 4)
+
+
+def _swizzle_whole_row(row, chunk):
+    return chunk ^ row
+
+
+def _swizzle_mod8_after(row, chunk):
+    return (chunk ^ row) % 8
+
+
+SWIZZLE_MUTANTS = [
+    Mutant("no swizzle: the 8 rows of an ldmatrix phase all start in bank 0 (a row is 256 bytes), so one phase "
+           "takes 8 passes. Store chunk c of row r at c ^ (r % 8).", fn=_swizzle_none),
+    Mutant("XOR with row // 8: the 8 rows of a phase share row // 8, so they still land in the same banks (8 "
+           "passes); the rows of a phase differ in row % 8 — XOR with that.", fn=_swizzle_row_block),
+    Mutant("XOR with row % 4: rows r and r + 4 of a phase still collide (2 passes); 8 rows need 8 different bank "
+           "groups: XOR with row % 8.", fn=_swizzle_mod4),
+    Mutant("XOR with the whole row index: from row 16 on, chunk ^ row leaves the row's 16 chunks (a chunk of "
+           "another row is overwritten); XOR with row % 8 keeps every chunk in its row.", fn=_swizzle_whole_row),
+    Mutant("the result is folded with % 8: 16 chunks are sent to 8 places, so two chunks of a row overwrite each "
+           "other; c ^ (r % 8) is already in 0..15.", fn=_swizzle_mod8_after),
+]
+
+
+def _swizzle_table(fn, rows: int, call=None) -> np.ndarray:
+    """``fn(row, chunk)`` for every row and chunk (rows, 16): called once on arrays, else element by element."""
+    call = call or (lambda f, *a: f(*a))
+    R, C = np.meshgrid(np.arange(rows), np.arange(CHUNKS), indexing="ij")
+    try:
+        table = np.asarray(call(fn, R, C))
+        if table.shape == R.shape and table.dtype.kind in "biuf":
+            return table
+    except (TypeError, ValueError, IndexError):
+        pass  # written for one (row, chunk) at a time: ask element by element
+    return np.array([[call(fn, r, c) for c in range(CHUNKS)] for r in range(rows)])
+
+
+def _table_passes(table: np.ndarray) -> np.ndarray:
+    rows = table.shape[0]
+    return np.array([[fragments.passes([r * 256 + int(table[r, c]) * 16 for r in range(8 * i, 8 * i + 8)], width=16)
+                      for c in range(CHUNKS)] for i in range(rows // 8)])
+
+
+@LAB.question("q3", points=2, objects=("swizzle",))
+def q3(t: Trial, swizzle) -> None:
+    """swizzle(row, chunk) keeps each chunk in its row and makes every ldmatrix phase one pass."""
+    rows = 8 * int(t.rng.integers(3, 9))  # 24..64 rows: row 16 on shows a swizzle that leaves its row
+    try:
+        table = _swizzle_table(swizzle, rows, t.call)
+        if not np.all(table == np.round(table)):
+            raise ValueError("returned a chunk number that is not a whole number")
+        table = table.astype(np.int64)
+    except NotImplementedYet:
+        raise
+    except Exception as e:  # the student's bug, reported as feedback
+        message = f"your swizzle raised {type(e).__name__}: {e}"[:300]
+        t.expect("a permutation of the 16 chunks of every row", 1, False, message)
+        t.expect("every ldmatrix phase (8 rows × 16 bytes) takes 1 pass", 1, False, message)
+        return
+    named = ""
+    for mutant in SWIZZLE_MUTANTS:
+        if np.array_equal(table, _swizzle_table(mutant.fn, rows)):
+            named = f"Likely mistake: {mutant.message}"
+            t.diagnoses.append(mistake_title(mutant.message))
+            break
+    bad_rows = [r for r in range(rows) if sorted(table[r].tolist()) != list(range(CHUNKS))]
+    hint = ""
+    if bad_rows:
+        r = bad_rows[0]
+        hint = (f"{len(bad_rows)} of {rows} rows are not a permutation of chunks 0..15; row {r} stores its chunks "
+                f"at {table[r].tolist()}.")
+        hint = f"{named}\n{hint}" if named else hint
+    t.expect("a permutation of the 16 chunks of every row", 1, not bad_rows, hint)
+    counts = _table_passes(table)
+    worst = np.unravel_index(int(np.argmax(counts)), counts.shape)
+    hint = ""
+    if counts.max() > 1:
+        i, c = (int(x) for x in worst)
+        hint = (f"{int((counts > 1).sum())} of {counts.size} phases take more than 1 pass; the phase of rows "
+                f"{8 * i}..{8 * i + 7} reading chunk {c} stores it at chunks {table[8 * i:8 * i + 8, c].tolist()} "
+                f"-> {int(counts.max())} passes (chunks that are equal mod 8 fall in the same banks).")
+        hint = f"{named}\n{hint}" if named and not bad_rows else hint
+    t.expect("every ldmatrix phase (8 rows × 16 bytes) takes 1 pass", 1, counts.max() == 1, hint)
+
+
+# ------------------------------------------------------------------------------- q4: ldmatrix's addresses
+def _ldmatrix_a_rows(lane):
+    """The right answer: lanes 0-7, 8-15, 16-23, 24-31 point at matrices a0 .. a3 (rows 0-7 / 8-15, k 0-7 / 8-15)."""
+    return (lane % 16, lane // 16)
+
+
+def _ld_matrices_swapped(lane):
+    return (lane % 8 + 8 * (lane // 16), (lane // 8) % 2)
+
+
+def _ld_along_k(lane):
+    return (lane % 8, lane // 8)
+
+
+def _ld_own_row(lane):
+    return (lane // 4, 0)
+
+
+def _ld_same_matrix(lane):
+    return (lane % 8, 0)
+
+
+def _ld_row_major(lane):
+    return (lane // 2, lane % 2)
+
+
+LDMATRIX_MUTANTS = [
+    Mutant("matrices 1 and 2 swapped: register a1 is rows 8-15 at k 0-7 and a2 rows 0-7 at k 8-15, so lanes 8-15 "
+           "point at rows 8-15, chunk 0, and lanes 16-23 at rows 0-7, chunk 1.", fn=_ld_matrices_swapped),
+    Mutant("the four matrices laid side by side along k: a 16×16 tile is 2 chunks wide and 16 rows tall — "
+           "matrices 1 and 3 are rows 8-15; use row = lane % 16, chunk = lane // 16.", fn=_ld_along_k),
+    Mutant("each lane points at the row its own values come from (lane // 4): in ldmatrix a lane supplies the "
+           "address of one row for the whole warp — lane 8j + i the i-th row of matrix j.", fn=_ld_own_row),
+    Mutant("all four matrices load the same 8 rows (as for ldmatrix.x1): with .x4, lanes 8j .. 8j + 7 give the "
+           "rows of matrix j, a different 8×8 block for each register.", fn=_ld_same_matrix),
+    Mutant("the tile's rows in reading order, two lanes per row: ldmatrix does not fill registers in row-major "
+           "order; lanes 8j .. 8j + 7 give the 8 rows of matrix j.", fn=_ld_row_major),
+]
+
+
+def _ldmatrix_hint(t: Trial, student) -> str:
+    """Why A's fragments loaded by ldmatrix.x4 from the student's addresses are not the mma's ('' if they are)."""
+    try:
+        rc = np.array([np.asarray(t.call(student, lane), dtype=float) for lane in range(32)])
+    except NotImplementedYet:
+        raise
+    except Exception as e:  # the student's bug, or not one pair per lane: feedback, like compare's
+        return f"your ldmatrix_rows raised {type(e).__name__}: {e}"[:300]
+    if rc.shape != (32, 2) or not np.all(rc == np.round(rc)):
+        return "every lane must give one (row, chunk) pair of whole numbers"
+    rc = rc.astype(int)
+    A = t.rng.standard_normal((16, 16)).astype(np.float16).astype(np.float64)
+    B = t.rng.standard_normal((16, 8)).astype(np.float16).astype(np.float64)
+    try:
+        a = fragments.ldmatrix_x4(A, rc)
+    except IndexError:
+        lane = int(np.argwhere((rc[:, 0] < 0) | (rc[:, 0] > 15) | (rc[:, 1] < 0) | (rc[:, 1] > 1))[0][0])
+        return f"lane {lane} points at row {rc[lane, 0]}, chunk {rc[lane, 1]}: outside the 16 × 16 tile (2 chunks wide)"
+    D = fragments.scatter(fragments.mma(a, fragments.gather(B, fragments.b_positions), np.zeros((32, 4))),
+                          fragments.c_positions, (16, 8))
+    wrong = ~np.isclose(D, A @ B, rtol=1e-12, atol=1e-12)
+    if not wrong.any():
+        return ""
+    want = fragments.gather(np.arange(256).reshape(16, 16), fragments.a_positions)
+    got = fragments.ldmatrix_x4(np.arange(256).reshape(16, 16), rc)
+    lane, value = (int(x) for x in np.argwhere(want != got)[0])
+    r, c = divmod(int(got[lane, value]), 16)
+    rw, cw = divmod(int(want[lane, value]), 16)
+    return (f"the fragments ldmatrix.x4 loads with your addresses make mma.sync compute a wrong D = A B at "
+            f"{int(wrong.sum())} of 128 elements: lane {lane}'s value {value} (register a{value // 2}) receives A at "
+            f"row {r}, column {c}, where the mma expects row {rw}, column {cw}.")
+
+
+@LAB.question("q4", points=2, objects=("ldmatrix_rows",))
+def q4(t: Trial, ldmatrix_rows) -> None:
+    """ldmatrix_rows(lane) gives the (row, chunk) of the 16×16 A tile that each lane points ldmatrix.x4 at."""
+    lanes = [int(x) for x in t.rng.permutation(32)]
+    t.compare("the (row, chunk) every lane supplies", 1, student=ldmatrix_rows,
+              cases=[Case((lane,), f"lane {lane}") for lane in lanes],
+              reference=lambda c: _positions_run(_ldmatrix_a_rows, c), run=_positions_run, mutants=LDMATRIX_MUTANTS,
+              names=("(row, chunk)",))
+    hint = _ldmatrix_hint(t, ldmatrix_rows)
+    t.expect("ldmatrix.x4 with your addresses loads the A fragments of mma.sync", 1, not hint, hint)
+
+
+# ------------------------------------------------------------------------------ chapter 9: the known mistakes
+def _positions_demo(truth) -> Demo:
+    return Demo(examples=[(f"lane {lane}", (lane,)) for lane in (0, 5, 13)],
+                run=lambda fn, args: _positions_run(fn, Case(args)),
+                right=lambda args: _positions_run(truth, Case(args)), names=("positions",))
+
+
+def _softmax_demo() -> Demo:
+    t = Trial(3)
+    return Demo(examples=[("one tile of 8 keys, random scores", _tile_case(t, "plain").args),
+                          ("masked keys and a row with no key yet", _tile_case(t, "masked").args),
+                          ("scores near 1000", _tile_case(t, "huge").args)],
+                right=lambda args: fragments.softmax_tile(*args), names=_SOFTMAX_NAMES)
+
+
+def _swizzle_demo() -> Demo:
+    def run(fn, args):
+        table = _swizzle_table(fn, args[0])
+        perm = [sorted(row.tolist()) == list(range(CHUNKS)) for row in table]
+        return (np.array(perm, dtype=float), _table_passes(table).max(axis=1))
+
+    return Demo(examples=[("a 32-row tile", (32,))], run=run, right=lambda args: run(fragments.swizzle, args),
+                names=("each row a permutation (1 = yes)", "worst passes per 8-row block"))
+
+
+KNOWN_MISTAKES = KnownMistakes(
+    demos={"A_POSITIONS_MUTANTS": lambda: _positions_demo(fragments.a_positions),
+           "B_POSITIONS_MUTANTS": lambda: _positions_demo(fragments.b_positions),
+           "C_POSITIONS_MUTANTS": lambda: _positions_demo(fragments.c_positions),
+           "SOFTMAX_MUTANTS": _softmax_demo, "SWIZZLE_MUTANTS": _swizzle_demo,
+           "LDMATRIX_MUTANTS": lambda: _positions_demo(_ldmatrix_a_rows)},
+)
