@@ -14,7 +14,8 @@ import functools
 import math
 
 import numpy as np
-from numba import njit, prange, types
+from llvmlite import ir
+from numba import get_num_threads, get_parallel_chunksize, njit, prange, set_parallel_chunksize, types
 from numba.extending import intrinsic, overload
 
 from ._checks import causal_offset, check_block, check_qkv, check_scale
@@ -285,7 +286,6 @@ def tiled_forward_workspace_bytes(n: int, d: int, dv: int, *, block_q: int = 64,
 # tile: a vectorised max, a vectorised exponential, one rescale of the accumulator row per tile.
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # the CBLAS enum values
-_LANES = 16  # partial maxima kept side by side: one AVX-512 register of float32 (two of float64)
 
 
 def _gemm_prototype(real, integer):
@@ -299,7 +299,8 @@ _REALS = {np.dtype(np.float32): ("s", ctypes.c_float), np.dtype(np.float64): ("d
 # The names a BLAS exports cblas_sgemm under, and the width of its integers: NumPy's wheels ship OpenBLAS built
 # with 64-bit integers and prefixed names (scipy-openblas64); other builds export the plain CBLAS names.
 _CBLAS_NAMES = (("scipy_cblas_{}gemm64_", ctypes.c_int64), ("cblas_{}gemm64_", ctypes.c_int64),
-                ("cblas_{}gemm_64", ctypes.c_int64), ("scipy_cblas_{}gemm", ctypes.c_int), ("cblas_{}gemm", ctypes.c_int))
+                ("cblas_{}gemm_64", ctypes.c_int64), ("scipy_cblas_{}gemm", ctypes.c_int),
+                ("cblas_{}gemm", ctypes.c_int))
 
 
 @functools.cache
@@ -360,30 +361,35 @@ def _make_loop_gemm(dtype):
     return _gemm_prototype(real, ctypes.c_int64)(loop_gemm.address), loop_gemm
 
 
+@intrinsic
+def _maxnum(typingctx, a, b):
+    """max(a, b) as LLVM's maxnum: a running max of it over an array is vectorised (Python's ``max``, compiled
+    by Numba as a compare and a branch, is not: one comparison waits for the previous one)."""
+    if a != b or a not in (types.float32, types.float64):
+        return None
+
+    def codegen(context, builder, signature, args):
+        real = args[0].type
+        fn = builder.module.declare_intrinsic("llvm.maxnum", [real], ir.FunctionType(real, [real, real]))
+        return builder.call(fn, args)
+
+    return a(a, b), codegen
+
+
 @functools.cache
 def _loop_gemm(dtype):
     return _make_loop_gemm(dtype)
 
 
 @_njit(fastmath=_FASTMATH)
-def _softmax_tile_row(s, i, visible, cols, m_row, l_row, acc, lanes):  # pragma: no cover - compiled
+def _softmax_tile_row(s, i, visible, cols, m_row, l_row, acc):  # pragma: no cover - compiled
     """Online softmax of row i of the score tile ``s`` (its first ``visible`` of ``cols`` entries are seen):
     new max, rescale of the row's running sum and accumulator, probabilities written over the scores."""
     neg_inf = s.dtype.type(-np.inf)
     zero = s.dtype.type(0)
-    # The max in _LANES independent lanes: one chain of comparisons would not vectorise (max is no reassociable
-    # sum for the compiler), _LANES side-by-side ones become one vector max per _LANES scores.
-    for t in range(_LANES):
-        lanes[t] = neg_inf
-    full = visible - visible % _LANES
-    for j0 in range(0, full, _LANES):
-        for t in range(_LANES):
-            lanes[t] = max(lanes[t], s[i, j0 + t])
     m_new = m_row[i]
-    for t in range(_LANES):
-        m_new = max(m_new, lanes[t])
-    for j in range(full, visible):
-        m_new = max(m_new, s[i, j])
+    for j in range(visible):
+        m_new = _maxnum(m_new, s[i, j])
     if m_new == neg_inf:  # the row has seen no key yet: its probabilities are 0, its state stays empty
         for j in range(cols):
             s[i, j] = zero
@@ -421,7 +427,6 @@ def _fast_kernel(gemm, Q, K, V, O, L, block_q, block_k, causal, offset, scale): 
         acc = np.zeros((rows, dv), dtype=Q.dtype)
         m_row = np.full(rows, neg_inf, dtype=Q.dtype)
         l_row = np.zeros(rows, dtype=Q.dtype)
-        lanes = np.empty(_LANES, dtype=Q.dtype)
         q_ptr = Q[b, q0:].ctypes.data
         k_end = min(m, q0 + rows + offset) if causal else m
         for k0 in range(0, k_end, block_k):
@@ -431,7 +436,7 @@ def _fast_kernel(gemm, Q, K, V, O, L, block_q, block_k, causal, offset, scale): 
                  zero, s.ctypes.data, block_k)
             for i in range(rows):
                 visible = min(cols, max(0, q0 + i + offset - k0 + 1)) if causal else cols
-                _softmax_tile_row(s, i, visible, cols, m_row, l_row, acc, lanes)
+                _softmax_tile_row(s, i, visible, cols, m_row, l_row, acc)
             # acc += P V_tile: the accumulator was rescaled row by row above, so BLAS adds onto it (beta = 1).
             gemm(_ROW_MAJOR, _NO_TRANS, _NO_TRANS, rows, dv, cols, one, s.ctypes.data, block_k,
                  V[b, k0:].ctypes.data, dv, one, acc.ctypes.data, dv)
@@ -459,8 +464,18 @@ def _one_blas_thread():
     return _BLAS_LIMITER[0].limit(limits=1, user_api="blas")
 
 
+def fast_block_q(batch: int, n: int, threads: int | None = None) -> int:
+    """The default query block of :func:`fast_forward`: 256 rows (few, long BLAS calls), halved down to 32 while
+    the ``batch`` x ceil(n / block_q) tasks would give a thread fewer than two."""
+    threads = get_num_threads() if threads is None else threads
+    block_q = 256
+    while block_q > 32 and batch * -(-n // block_q) < 2 * threads:
+        block_q //= 2
+    return block_q
+
+
 def fast_forward(
-    Q, K, V, *, block_q: int = 128, block_k: int = 256, causal: bool = False, scale: float | None = None,
+    Q, K, V, *, block_q: int | None = None, block_k: int = 512, causal: bool = False, scale: float | None = None,
     blas: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`tiled_forward` with its tile products done by BLAS from inside the compiled loop: the fast version.
@@ -471,16 +486,26 @@ def fast_forward(
     thread inside each (the parallelism is the tasks'), so threads are set by ``numba.set_num_threads``. No
     n x m matrix exists: per running task, one block_q x block_k tile, the accumulator and the row state.
     ``blas=False`` (or a BLAS that exports no CBLAS gemm, :func:`blas_gemm`) uses compiled loops for the tile
-    products instead: the same results, slower.
+    products instead: the same results, slower. ``block_q=None`` picks :func:`fast_block_q`.
     """
-    Q3, K3, V3, lead, dtype, block_q, block_k, scale = _prepare(Q, K, V, block_q, block_k, scale)
+    pick = block_q is None
+    Q3, K3, V3, lead, dtype, block_q, block_k, scale = _prepare(Q, K, V, 256 if pick else block_q, block_k, scale)
+    if pick:
+        block_q = fast_block_q(Q3.shape[0], Q3.shape[1])
     O = np.empty(Q3.shape[:2] + (V3.shape[2],), dtype=dtype)
     L = np.empty(Q3.shape[:2], dtype=dtype)
     offset = causal_offset(Q3.shape[1], K3.shape[1])
     found = blas_gemm(dtype) if blas else None
-    if found is None:
-        _fast_kernel(_loop_gemm(dtype)[0], Q3, K3, V3, O, L, block_q, block_k, bool(causal), offset, scale)
-    else:
-        with _one_blas_thread():
-            _fast_kernel(found[0], Q3, K3, V3, O, L, block_q, block_k, bool(causal), offset, scale)
+    # Tasks handed out one at a time, not split in equal shares up front: a thread slowed down by other work on
+    # the machine then takes fewer of them instead of holding up the others at the end.
+    chunksize = get_parallel_chunksize()
+    set_parallel_chunksize(1)
+    try:
+        if found is None:
+            _fast_kernel(_loop_gemm(dtype)[0], Q3, K3, V3, O, L, block_q, block_k, bool(causal), offset, scale)
+        else:
+            with _one_blas_thread():
+                _fast_kernel(found[0], Q3, K3, V3, O, L, block_q, block_k, bool(causal), offset, scale)
+    finally:
+        set_parallel_chunksize(chunksize)
     return O.reshape(lead + O.shape[1:]), L.reshape(lead + L.shape[1:])
