@@ -509,3 +509,17 @@ def fast_forward(
     finally:
         set_parallel_chunksize(chunksize)
     return O.reshape(lead + O.shape[1:]), L.reshape(lead + L.shape[1:])
+
+
+def fast_forward_workspace_bytes(n: int, d: int, dv: int, *, block_q: int | None = None, block_k: int = 512,
+                                 itemsize: int = 4, batch: int = 1, threads: int | None = None) -> int:
+    """Bytes :func:`fast_forward` allocates beyond its inputs: the outputs plus each running task's workspace.
+
+    The analytic account (tracemalloc cannot see Numba's allocations): O and L, plus per concurrently running task
+    a block_q x block_k tile of scores, the block_q x dv accumulator and the (m, l) rows. BLAS's own packing
+    buffers are not counted: BLAS allocates them once and reuses them, for naive attention's products too.
+    """
+    threads = get_num_threads() if threads is None else threads
+    block_q = fast_block_q(batch, n, threads) if block_q is None else block_q
+    per_task = block_q * block_k + block_q * dv + 2 * block_q
+    return itemsize * (batch * n * (dv + 1) + min(threads, batch * -(-n // block_q)) * per_task)
