@@ -1,10 +1,16 @@
-"""The tiled forward pass compiled with Numba for the CPU: ``@njit(parallel=True)``.
+"""The tiled forward pass compiled with Numba for the CPU: ``@njit(parallel=True)``, in two steps.
 
 :func:`tiled_forward` computes what :func:`flashlab.tiled.forward` computes (O and the row logsumexp L). The
 Python loops of the tiled algorithm are compiled to machine code; ``prange`` spreads the independent
 (batch·head, query block) pairs over the CPU cores. Each task's tiles stay in the core's cache, its "SRAM", and
-:func:`exp_nonpositive` is an exponential the compiler can vectorise. The same algorithm as a ``numba.cuda``
-kernel is :mod:`flashlab.numba_cuda`.
+:func:`exp_nonpositive` is an exponential the compiler can vectorise. It is the readable version: every product
+is a loop.
+
+:func:`fast_forward` is the same algorithm with its two tile products done by BLAS, called from inside the
+compiled loop (:func:`blas_gemm`: the CBLAS gemm of the BLAS NumPy uses), the softmax done on whole rows of the
+tile (vectorised max and exponential), larger tiles, and BLAS on one thread inside each parallel task.
+
+The same algorithm as a ``numba.cuda`` kernel is :mod:`flashlab.numba_cuda`.
 """
 
 from __future__ import annotations
