@@ -326,11 +326,24 @@ def blas_gemm(dtype) -> tuple[object, str] | None:
             continue
         for pattern, integer in _CBLAS_NAMES:
             fn = getattr(lib, pattern.format(letter), None)
-            if fn is not None:
-                address = ctypes.cast(fn, ctypes.c_void_p).value
-                name = f"{info.get('internal_api')} {info.get('version')} ({pattern.format(letter)})"
-                return _gemm_prototype(real, integer)(address), name
+            if fn is None:
+                continue
+            gemm = _gemm_prototype(real, integer)(ctypes.cast(fn, ctypes.c_void_p).value)
+            if _gemm_works(gemm, np.dtype(dtype)):  # found by its name: check on numbers that it is that gemm
+                return gemm, f"{info.get('internal_api')} {info.get('version')} ({pattern.format(letter)})"
     return None
+
+
+def _gemm_works(gemm, dtype) -> bool:
+    """Whether ``gemm`` computes both products the fast kernel asks for, on small matrices, as NumPy does."""
+    rng = np.random.default_rng(0)
+    a, b, v = (rng.standard_normal(shape).astype(dtype) for shape in ((3, 4), (5, 4), (5, 2)))
+    s = np.zeros((3, 5), dtype)
+    acc = np.ones((3, 2), dtype)
+    gemm(_ROW_MAJOR, _NO_TRANS, _TRANS, 3, 5, 4, 2.0, a.ctypes.data, 4, b.ctypes.data, 4, 0.0, s.ctypes.data, 5)
+    gemm(_ROW_MAJOR, _NO_TRANS, _NO_TRANS, 3, 2, 5, 1.0, s.ctypes.data, 5, v.ctypes.data, 2, 1.0, acc.ctypes.data, 2)
+    tol = 100 * np.finfo(dtype).eps
+    return np.allclose(s, 2 * a @ b.T, rtol=tol, atol=tol) and np.allclose(acc, 1 + s @ v, rtol=tol, atol=tol)
 
 
 def _make_loop_gemm(dtype):

@@ -241,6 +241,16 @@ def test_fast_forward_equals_the_readable_kernel_and_keeps_the_leading_axes(rng)
             np.testing.assert_allclose(f, r, rtol=2e-5, atol=2e-6)
 
 
+def test_a_gemm_is_checked_on_numbers_before_it_is_used():
+    import ctypes
+
+    for dtype in (np.float32, np.float64):
+        assert numba_cpu._gemm_works(numba_cpu._loop_gemm(dtype)[0], np.dtype(dtype))  # the compiled stand-in
+        real = ctypes.c_float if dtype == np.float32 else ctypes.c_double
+        does_nothing = numba_cpu._gemm_prototype(real, ctypes.c_int64)(lambda *args: None)
+        assert not numba_cpu._gemm_works(does_nothing, np.dtype(dtype))
+
+
 def test_fast_forward_uses_the_blas_numpy_uses():
     # NumPy's wheels export CBLAS gemm under a name blas_gemm knows; where none is found the loops stand in.
     found = numba_cpu.blas_gemm(np.float32)
