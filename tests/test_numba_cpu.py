@@ -213,6 +213,19 @@ def test_fast_forward_edge_shapes(rng, dtype):
             _assert_fast_matches(Q, K, V, causal, f"n={n} m={m} d={d} dv={dv} causal={causal}")
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_fast_kernel_writes_every_output(rng, dtype):
+    # CONTRIBUTING.md, Correctness: outputs poisoned with NaN first, so an element the kernel forgot shows up; causal
+    # with n > m leaves rows that see no key, and 37 rows in blocks of 8 leave a ragged last block.
+    Q, K, V = (rng.standard_normal(s).astype(dtype) for s in ((2, 37, 8), (2, 23, 8), (2, 23, 5)))
+    gemm = numba_cpu.blas_gemm(dtype) or numba_cpu._loop_gemm(dtype)
+    for causal in (False, True):
+        O, L = np.full((2, 37, 5), np.nan, dtype), np.full((2, 37), np.nan, dtype)
+        numba_cpu._fast_kernel(gemm[0], Q, K, V, O, L, 8, 16, causal, 23 - 37, dtype(1 / np.sqrt(8)))
+        assert not np.isnan(O).any() and not np.isnan(L).any()
+        np.testing.assert_allclose(O, reference.attention(Q, K, V, causal=causal)[0], atol=1e-5)
+
+
 def test_fast_forward_fully_masked_rows_one_row_and_huge_logits(rng):
     Q, K, V = rng.standard_normal((10, 4)), rng.standard_normal((4, 4)), rng.standard_normal((4, 3))
     O, L = numba_cpu.fast_forward(Q, K, V, block_q=3, block_k=2, causal=True)
