@@ -400,7 +400,7 @@ def _loop_gemm(dtype):
     return _make_loop_gemm(dtype)
 
 
-@_njit(fastmath=_FASTMATH)
+@_njit(fastmath=_FASTMATH, inline="always")
 def _softmax_tile_row(s, i, visible, cols, m_row, l_row, acc):  # pragma: no cover - compiled
     """Online softmax of row i of the score tile ``s`` (its first ``visible`` of ``cols`` entries are seen):
     new max, rescale of the row's running sum and accumulator, probabilities written over the scores."""
