@@ -286,7 +286,7 @@ def tiled_forward_workspace_bytes(n: int, d: int, dv: int, *, block_q: int = 64,
 # The fast kernel: the same algorithm, with the tile products done by BLAS from inside the compiled loop.
 #
 # The readable kernel spends most of its time in its two tile products, written as loops: per core they reach a
-# fraction of what BLAS's hand-tuned kernels do, so it loses to naive attention's two large BLAS calls. Here each
+# fraction of the speed of BLAS's hand-tuned kernels, which naive attention's two large products run on. Here each
 # tile product is one call of the CBLAS function NumPy's own BLAS exports (found through threadpoolctl, called
 # through ctypes, which Numba compiles to a direct call), and the softmax in between works on whole rows of the
 # tile: a vectorised max, a vectorised exponential, one rescale of the accumulator row per tile.
@@ -310,7 +310,7 @@ _CBLAS_NAMES = (("scipy_cblas_{}gemm64_", ctypes.c_int64), ("cblas_{}gemm64_", c
 
 
 @functools.cache
-def blas_gemm(dtype) -> tuple[object, str] | None:
+def blas_gemm(dtype: type | np.dtype) -> tuple[object, str] | None:
     """The CBLAS ``sgemm`` (float32) or ``dgemm`` (float64) of the BLAS NumPy uses, as a ctypes function, and
     the library's name; None when no loaded BLAS exports one under a known name (then the fast kernel does its
     tile products with compiled loops instead, see :func:`fast_forward`)."""
@@ -334,7 +334,7 @@ def blas_gemm(dtype) -> tuple[object, str] | None:
     return None
 
 
-def _gemm_works(gemm, dtype) -> bool:
+def _gemm_works(gemm, dtype: np.dtype) -> bool:
     """Whether ``gemm`` computes both products the fast kernel asks for, on small matrices, as NumPy does."""
     rng = np.random.default_rng(0)
     a, b, v = (rng.standard_normal(shape).astype(dtype) for shape in ((3, 4), (5, 4), (5, 2)))
@@ -380,6 +380,12 @@ def _make_loop_gemm(dtype):
     return _gemm_prototype(real, ctypes.c_int64)(loop_gemm.address), loop_gemm
 
 
+@functools.cache
+def _loop_gemm(dtype):
+    """The stand-in for ``dtype``, compiled once (the cfunc object is kept with it: its code lives as long)."""
+    return _make_loop_gemm(dtype)
+
+
 @intrinsic
 def _maxnum(typingctx, a, b):
     """max(a, b) as LLVM's maxnum: a running max of it over an array is vectorised (Python's ``max``, compiled
@@ -393,11 +399,6 @@ def _maxnum(typingctx, a, b):
         return builder.call(fn, args)
 
     return a(a, b), codegen
-
-
-@functools.cache
-def _loop_gemm(dtype):
-    return _make_loop_gemm(dtype)
 
 
 @_njit(fastmath=_FASTMATH, inline="always")
