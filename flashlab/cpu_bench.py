@@ -180,10 +180,6 @@ def spread(row: dict) -> tuple[float, float]:
     return min(row["times_s"]), max(row["times_s"])
 
 
-def _naive_of(rows: list[dict]) -> dict:
-    return {(r.get("threads"), r["n"]): r for r in rows if r["implementation"] == "numpy_naive"}
-
-
 def format_table(rows: list[dict], header: bool = True) -> str:
     """A text table per thread setting and n: median time and the range of the timed calls, speed-up over naive,
     peak memory and its share of naive's."""
@@ -191,14 +187,14 @@ def format_table(rows: list[dict], header: bool = True) -> str:
     if header:
         lines.append(f"{'threads':>7} {'n':>6} {'implementation':<14} {'median ms':>10} {'min-max ms':>13} "
                      f"{'vs naive':>9} {'peak MB':>9} {'mem/naive':>9} {'rel.err':>9}")
-    naive = _naive_of(rows)
+    naive = {(r["threads"], r["n"]): r for r in rows if r["implementation"] == "numpy_naive"}
     for r in rows:
-        base = naive.get((r.get("threads"), r["n"]))
+        base = naive.get((r["threads"], r["n"]))
         speed = base["median_s"] / r["median_s"] if base else float("nan")
         mem = peak_bytes(r) / peak_bytes(base) if base else float("nan")
         err = r.get("rel_error_vs_float64")
         low, high = spread(r)
-        lines.append(f"{r.get('threads', '-'):>7} {r['n']:>6} {r['implementation']:<14} {r['median_s'] * 1e3:>10.1f} "
+        lines.append(f"{r['threads']:>7} {r['n']:>6} {r['implementation']:<14} {r['median_s'] * 1e3:>10.1f} "
                      f"{f'{low * 1e3:.1f}-{high * 1e3:.1f}':>13} {speed:>8.2f}x {peak_bytes(r) / 1e6:>9.2f} "
                      f"{mem:>9.4f} {err if err is None else f'{err:.1e}':>9}")
     return "\n".join(lines)
@@ -224,8 +220,8 @@ def summary(rows: list[dict]) -> dict:
     the fast one at least :data:`FAST_TARGET` times naive's speed, each with at most 1/10 of naive's peak memory."""
     n = max(r["n"] for r in rows)
     settings = []
-    for threads in dict.fromkeys(r.get("threads") for r in rows if r["n"] == n):
-        by = {r["implementation"]: r for r in rows if r["n"] == n and r.get("threads") == threads}
+    for threads in dict.fromkeys(r["threads"] for r in rows if r["n"] == n):
+        by = {r["implementation"]: r for r in rows if r["n"] == n and r["threads"] == threads}
         naive = by["numpy_naive"]
         entry = {"threads": threads}
         for name, key, goal in (("numba_tiled", "numba", 1.0), ("numba_fast", "fast", FAST_TARGET)):
