@@ -388,8 +388,8 @@ def _loop_gemm(dtype):
 
 @intrinsic
 def _maxnum(typingctx, a, b):
-    """max(a, b) as LLVM's maxnum: a running max of it over an array is vectorised (Python's ``max``, compiled
-    by Numba as a compare and a branch, is not: one comparison waits for the previous one)."""
+    """max(a, b) as LLVM's maxnum: a running max of it over an array is vectorised. Python's ``max`` as Numba
+    compiles it is not: LLVM keeps its NaN behaviour, so one comparison waits for the previous one."""
     if a != b or a not in (types.float32, types.float64):
         return None
 
