@@ -1,8 +1,9 @@
 """``python -m flashlab bench cpu``: chapter 5's forward passes on the CPU, time and peak memory, recorded.
 
-Runs :func:`flashlab.cpu_bench.run` (NumPy naive, NumPy tiled, Numba tiled) at n = 512 ... 4096, d = 64, float32,
-prints the table and the chapter's target, and with ``--record NAME`` writes data/cpu_bench/NAME.json: the rows,
-their summary, the machine and versions it ran on, and what else the machine was running before and after.
+Runs :func:`flashlab.cpu_bench.run` (NumPy naive, NumPy tiled, Numba tiled, Numba fast) at n = 512 ... 4096,
+d = 64, float32, on one thread and on all cores (BLAS and Numba alike), prints the table and the chapter's targets,
+and with ``--record NAME`` writes data/cpu_bench/NAME.json: the rows, their summary, the machine and versions it
+ran on, and what else the machine was running before and after.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from . import PROG
 
 OUT_DIR = records.DATA_DIR / "cpu_bench"
 MEMORY_METHODS = {"numpy": "tracemalloc peak", "numba": "max(analytic account, RSS growth)"}
+TIMING = "median of rounds x repeat calls per row (times_s), implementations alternating round by round"
 
 
 def machine_activity(limit: int = 5) -> list[str]:
@@ -74,6 +76,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block", type=int, default=64, help="block_q = block_k of the tiled versions")
     p.add_argument("--repeat", type=int, default=3, help="timed calls per block")
     p.add_argument("--rounds", type=int, default=3, help="blocks per implementation and n, alternating")
+    p.add_argument("--threads", type=int, nargs="+", help="thread settings, BLAS and Numba alike "
+                   "(default: 1 and all cores)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--record", metavar="NAME", help="write data/cpu_bench/NAME.json")
     return p
@@ -88,13 +92,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--record takes a plain name (letters, digits, '_', '-', '.'): it names data/cpu_bench/NAME.json")
     before = {"loadavg": list(os.getloadavg()), "busy_processes": machine_activity()}
     rows = cpu_bench.run(args.sizes, d=args.d, block=args.block, repeat=args.repeat, rounds=args.rounds,
-                         seed=args.seed)
+                         seed=args.seed, threads=args.threads or (1, None))
     after = {"loadavg": list(os.getloadavg()), "busy_processes": machine_activity()}
     result = cpu_bench.summary(rows)
-    print(f"\nat n={result['n']}: numba tiled is {result['speedup_numba_vs_naive']:.2f}x the speed of numpy naive, "
-          f"with {result['memory_ratio_numba_vs_naive']:.4f} of its peak memory -> target met: {result['target_met']}")
+    print()
+    print(cpu_bench.format_summary(result))
     if args.record:
         records.write_record(OUT_DIR, args.record, provenance(argv), rows,
                              machine_activity={"before": before, "after": after}, memory_methods=MEMORY_METHODS,
-                             summary=result)
+                             timing=TIMING, summary=result)
     return 0
