@@ -30,8 +30,8 @@ KINDS = {
                "-> data/ch8/memory.json"),
     "train": ("flashlab.bench.train", "a toy model trained with the course's kernels and with SDPA: both loss "
               "curves -> data/ch8/train.json"),
-    "cpu": ("flashlab.bench.cpu", "NumPy naive, NumPy tiled and Numba tiled forward on the CPU: time and peak "
-            "memory -> data/cpu_bench/NAME.json"),
+    "cpu": ("flashlab.bench.cpu", "NumPy naive, NumPy tiled, Numba tiled and Numba fast forward on the CPU, on one "
+            "thread and on all cores: time and peak memory -> data/cpu_bench/NAME.json"),
     "tune": ("flashlab.bench.tune", "time a tunable rung with other tile sizes -> data/benchmarks/tune_RUNG.json"),
     "profile": ("flashlab.bench.profile", "one forward pass bracketed for Nsight Compute; summarize an ncu CSV "
                 "into data/ncu/"),

@@ -33,7 +33,8 @@ LAB = Lab("lab05", "A FlashAttention kernel in numba.cuda")
 # The course's own answers to each question (flashlab.grading.answers): calling one scores 0. q1's check launches the
 # kernel with flashlab.numba_cuda.launch, so launch stays usable there; q2's builds the course's kernel with
 # make_cuda_kernel, so that stays usable in q2. Computing the answer on the CPU answers either.
-_CPU = ("flashlab.reference.attention", "flashlab.tiled.forward", "flashlab.numba_cpu.tiled_forward")
+_CPU = ("flashlab.reference.attention", "flashlab.tiled.forward", "flashlab.numba_cpu.tiled_forward",
+        "flashlab.numba_cpu.fast_forward")
 ANSWERS = {
     "q1": ("flashlab.numba_cuda.make_cuda_kernel", "flashlab.numba_cuda.cuda_forward", *_CPU),
     "q2": ("flashlab.numba_cuda.launch", "flashlab.numba_cuda.cuda_forward", *_CPU),

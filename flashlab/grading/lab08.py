@@ -30,6 +30,7 @@ LAB = Lab("lab08", "Split-KV decoding: partials and their merge")
 ANSWERS = {
     "q1": ("flashlab.gpu.decoding.merge_partials", "flashlab.online.merge", "flashlab.grading.lab08._merge"),
     "q2": ("flashlab.reference.attention", "flashlab.tiled.forward", "flashlab.numba_cpu.tiled_forward",
+           "flashlab.numba_cpu.fast_forward",
            "flashlab.gpu.decoding.split_ranges", "flashlab.gpu.decoding.decode_numpy",
            "flashlab.grading.lab08._split_truth", "flashlab.grading.lab08._ranges"),
     "q3": ("flashlab.grading.lab08._bytes",),
