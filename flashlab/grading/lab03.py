@@ -242,10 +242,10 @@ BLOCK_MUTANTS = [
     Mutant("B_r = min(B_c, d): the query block is capped at d rows.", fn=_blocks_no_min),
     Mutant("the order is (B_r, B_c) = (block_q, block_k): the K/V block B_c = floor(M / 4d) comes second.",
            fn=_blocks_swapped),
-    Mutant("operator precedence: sram // 4 * d is (sram // 4) * d, a block d^2 / 16 times too large. Write "
+    Mutant("operator precedence: sram // 4 * d is (sram // 4) * d, a block d^2 times too large. Write "
            "sram // (4 * d).", fn=_blocks_precedence),
-    Mutant("the query block is capped by B_c as well: when floor(M / 4d) < d, B_r = d rows do not fit beside B_c; "
-           "take the smaller of the two.", fn=_blocks_d_rows),
+    Mutant("the query block is capped by B_c as well: when floor(M / 4d) < d, B_r = d rows leave too little room "
+           "beside B_c; take the smaller of the two.", fn=_blocks_d_rows),
 ]
 
 
