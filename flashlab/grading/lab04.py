@@ -390,7 +390,8 @@ def _backward_demo() -> Demo:
 def _flops_demo() -> Demo:
     return Demo(
         examples=[("n = m = 1024, d = dv = 64, recompute", (1024, 1024, 64, 64, True)),
-                  ("n = 1000, m = 500, d = 64, dv = 32, recompute", (1000, 500, 64, 32, True))],
+                  ("n = 1000, m = 500, d = 64, dv = 32, recompute", (1000, 500, 64, 32, True)),
+                  ("n = 1000, m = 500, d = 64, dv = 32, P stored", (1000, 500, 64, 32, False))],
         right=lambda args: _flops(*args),
         names=("FLOPs",),
     )
