@@ -1,22 +1,32 @@
-"""Lab 03 — counting HBM accesses: the closed forms of chapter 3, block sizes for a given M, the n = 65 536 ratio.
+"""Lab 03 — counting HBM accesses: the closed forms of chapter 3, block sizes for a given M, the n = 65 536 ratio,
+and one count the chapter does not print: the backward pass in FlashAttention-2's loop order.
 
-Every formula is graded against :func:`flashlab.iocount.predict`, which chapter 3 and ``tests/test_iocount.py``
-check against the access counter itself. The counting model and the default blocks are those of
-:mod:`flashlab.iocount`.
+Every forward formula is graded against :func:`flashlab.iocount.predict`, which chapter 3 and
+``tests/test_iocount.py`` check against the access counter itself. The counting model and the default blocks are
+those of :mod:`flashlab.iocount`.
 
 q1: ``standard_counts(n, d, sram, block_q, block_k)``, ``kv_outer_counts(...)`` and ``q_outer_counts(...)``
 return ``(reads, writes)``; one part each, so a student who has written only the first sees it graded.
 q2: ``paper_blocks(d, sram)`` returns ``(B_r, B_c)``; ``best_q_outer_blocks(n, d, sram)`` returns blocks that fit
 and move (almost) as little as possible. q3: ``traffic_ratio(n, d, sram)`` is standard's accesses over
-Algorithm 1's with default blocks.
+Algorithm 1's with default blocks; it is meant to call the student's q1 and q2 functions, which q3 therefore
+receives too: when one of them is wrong on q3's inputs, q3 says so instead of diagnosing the ratio.
+q4: ``q_outer_backward_counts(n, d, sram, block_q, block_k)`` — the backward with query blocks outside, derived by
+the student — is graded against :func:`count_q_outer_backward`, which runs that backward through the counter's
+HBM and SRAM (real data, gradients checked against the reference) on every input.
+
+Each part's inputs are drawn from fixed kinds (ragged, divisible, smaller than a block, n = 1, and for standard
+attention rows that do not fit in SRAM), so that a mistake fails the same parts whatever the seed.
 """
 
 from __future__ import annotations
 
 import math
 
-from .. import iocount
-from .core import Case, Lab, Mutant, NotImplementedYet, Trial
+import numpy as np
+
+from .. import iocount, reference
+from .core import Case, Lab, Mutant, NotImplementedYet, Trial, allclose, as_outputs
 from .known import Demo, HandWritten, KnownMistakes, OtherDiagnosis
 
 LAB = Lab("lab03", "Counting memory accesses")
@@ -30,6 +40,7 @@ ANSWERS = {
            "flashlab.grading.lab03._q_outer"),
     "q2": (*_COUNTERS, "flashlab.iocount.default_blocks", "flashlab.grading.lab03.best_q_outer"),
     "q3": (*_COUNTERS, "flashlab.iocount.default_blocks"),
+    "q4": (*_COUNTERS, "flashlab.grading.lab03.count_q_outer_backward", "flashlab.grading.lab03._q_outer_backward"),
 }
 
 
@@ -38,25 +49,34 @@ def _rw(c: iocount.Counts) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------------------------- mutants (wrong formulas)
-def _standard(n, d, sram, bq, bk, *, rereads=True, second_pass=True, ceil=True):
-    t_r = math.ceil(n / bq) if ceil else n / bq
+def _blocks_of(n: int, b: int, ceil) -> float:
+    """How many blocks of b rows cover n: right with ceil=True; n / b or n // b for the two ways to get it wrong."""
+    if ceil == "floor":
+        return n // b
+    return math.ceil(n / b) if ceil else n / b
+
+
+def _standard(n, d, sram, bq, bk, *, rereads=True, second_pass=True, ceil=True, element_bytes=1):
+    t_r = _blocks_of(n, bq, ceil)
     kv = 2 * t_r * n * d if rereads else 2 * n * d
     s_reads = 2 * n * n if (n > sram and second_pass) else n * n
-    return n * d + kv + s_reads + n * n, 2 * n * n + n * d
+    return element_bytes * (n * d + kv + s_reads + n * n), element_bytes * (2 * n * n + n * d)
 
 
-def _kv_outer(n, d, sram, bq, bk, *, stats=True, init=True, ceil=True, outer="c"):
+def _kv_outer(n, d, sram, bq, bk, *, stats=True, init=True, ceil=True, outer="c", reread_q=True):
     b = bk if outer == "c" else bq
-    t = math.ceil(n / b) if ceil else n / b
+    t = _blocks_of(n, b, ceil)
     s = 2 * n if stats else 0
-    return 2 * n * d + t * (2 * n * d + s), (n * d + s) * ((1 if init else 0) + t)
+    q_reads = t * n * d if reread_q else n * d
+    return 2 * n * d + q_reads + t * (n * d + s), (n * d + s) * ((1 if init else 0) + t)
 
 
-def _q_outer(n, d, sram, bq, bk, *, write_l=True, ceil=True, outer="r", reread_q=False):
+def _q_outer(n, d, sram, bq, bk, *, write_l=True, ceil=True, outer="r", reread_q=False, o_per_k_tile=False):
     b = bq if outer == "r" else bk
-    t = math.ceil(n / b) if ceil else n / b
+    t = _blocks_of(n, b, ceil)
     q_reads = n * d * (t if reread_q else 1)
-    return q_reads + 2 * t * n * d, n * d + (n if write_l else 0)
+    o_writes = math.ceil(n / bk) * n * d if o_per_k_tile else n * d
+    return q_reads + 2 * t * n * d, o_writes + (n if write_l else 0)
 
 
 def _flag(fn, **flags):
@@ -68,6 +88,10 @@ def _flag(fn, **flags):
 
 CEIL = ("a ragged last block still costs a whole pass: the number of blocks is ceil(n / B), not n / B "
         "(use math.ceil, or -(-n // B)).")
+FLOOR_R = ("T_r = n // block_q drops the ragged last query block: when block_q does not divide n, the last "
+           "n % block_q rows are one more block. T_r = ceil(n / block_q) (math.ceil, or -(-n // block_q)).")
+FLOOR_C = ("T_c = n // block_k drops the ragged last K/V block: when block_k does not divide n, the last "
+           "n % block_k rows are one more block. T_c = ceil(n / block_k) (math.ceil, or -(-n // block_k)).")
 
 STANDARD_MUTANTS = [
     Mutant("K and V are read once per block of B_r query rows, not once: pass 1 re-reads K and pass 3 re-reads V "
@@ -76,6 +100,10 @@ STANDARD_MUTANTS = [
     Mutant("when a row of S does not fit in SRAM (n > M) the softmax reads S twice: once for the max and sum, "
            "once to normalise.", fn=_flag(_standard, second_pass=False)),
     Mutant(CEIL, fn=_flag(_standard, ceil=False)),
+    Mutant(FLOOR_R, fn=_flag(_standard, ceil="floor")),
+    Mutant("counted in bytes: an access is one element moved, whatever its size (the model counts elements; "
+           "multiply by 2 or 4 bytes only when you turn accesses into bytes).",
+           fn=_flag(_standard, element_bytes=2)),
 ]
 
 KV_OUTER_MUTANTS = [
@@ -86,6 +114,10 @@ KV_OUTER_MUTANTS = [
     Mutant("the outer loop runs over K/V blocks, so Q and O are re-read T_c = ceil(n / B_c) times (block_k), "
            "not T_r times.", fn=_flag(_kv_outer, outer="r")),
     Mutant(CEIL, fn=_flag(_kv_outer, ceil=False)),
+    Mutant(FLOOR_C, fn=_flag(_kv_outer, ceil="floor")),
+    Mutant("Q is re-read on every visit too: the inner loop runs over query blocks, so Q_i leaves SRAM after each "
+           "one and is loaded again for the next K/V block (T_c nd reads of Q, not nd).",
+           fn=_flag(_kv_outer, reread_q=False)),
 ]
 
 Q_OUTER_MUTANTS = [
@@ -95,25 +127,59 @@ Q_OUTER_MUTANTS = [
     Mutant("Q_i stays in SRAM for the whole inner loop: Q is read once (nd), only K and V are re-read.",
            fn=_flag(_q_outer, reread_q=True)),
     Mutant(CEIL, fn=_flag(_q_outer, ceil=False)),
+    Mutant(FLOOR_R, fn=_flag(_q_outer, ceil="floor")),
+    Mutant("O_i is written once, after the last K/V block: its accumulator stays on chip for the whole inner loop "
+           "(nd writes of O, not one per K/V block).", fn=_flag(_q_outer, o_per_k_tile=True)),
 ]
 
 
-def _cases(t: Trial, algorithm: str, count: int = 10) -> list[Case]:
-    cases = []
-    while len(cases) < count:
-        d = int(t.rng.integers(1, 129))
-        n = int(t.rng.integers(1, 5000))
-        sram = int(t.rng.integers(4 * d, 4 * d + 60_000))
-        if algorithm == "standard" and len(cases) % 3 == 0 and n > 2 * d:
-            sram = int(t.rng.integers(2 * d, n))  # rows that do not fit: S is streamed twice
-        # blocks that fit: standard holds (B_r + B_c) d, the tiled orders 2 (B_r + B_c) d
-        most = max(1, sram // ((2 if algorithm == "standard" else 4) * d))
-        bq, bk = (int(x) for x in t.rng.integers(1, most + 1, size=2))
+#: The kinds of input every part of q1 (and q4) always contains; only the numbers are drawn afresh.
+CASE_KINDS = ("ragged", "ragged", "ragged", "divisible", "divisible", "smaller than a block", "n = 1")
+#: Standard attention adds rows of S that do not fit in SRAM (n > M: S is streamed twice).
+ROW_TOO_LONG = ("n > M", "n > M")
+
+
+def _one_case(t: Trial, algorithm: str, kind: str, n_max: int, tiles: int) -> tuple[int, int, int, int, int]:
+    """(n, d, sram, block_q, block_k) of one kind; block_q != block_k, so that T_r and T_c differ."""
+    ints = lambda lo, hi: int(t.rng.integers(lo, hi + 1))  # noqa: E731
+    while True:
+        if kind == "n > M":
+            d, bq, bk = ints(1, 16), ints(1, 40), ints(1, 40)
+            sram = (bq + bk) * d + ints(0, 2000)
+            n = sram + ints(1, 3000)
+        else:
+            d = ints(1, 128 if n_max > 1000 else 16)
+            bq, bk = ints(2, max(3, n_max // 8)), ints(2, max(3, n_max // 8))
+            if kind == "ragged":  # two or more blocks each way, the last one short
+                n = ints(2 * max(bq, bk) + 1, max(2 * max(bq, bk) + 1, n_max))
+                if n % bq == 0 or n % bk == 0:
+                    continue
+            elif kind == "divisible":  # one block a multiple of the other, n a multiple of both
+                small = ints(2, max(2, n_max // 200))
+                bq, bk = (small, small * ints(2, 8))[:: 1 if ints(0, 1) else -1]
+                n = max(bq, bk) * ints(2, 10)
+            elif kind == "smaller than a block":
+                n = ints(1, min(bq, bk) - 1)
+            else:
+                n = 1
+            sram = tiles * (bq + bk) * d + ints(0, 60_000 if n_max > 1000 else 500)
+        if bq == bk:
+            continue
         try:
-            iocount.predict(algorithm, n, d, sram=sram, block_q=bq, block_k=bk)
+            if algorithm in iocount.ALGORITHMS:
+                iocount.predict(algorithm, n, d, sram=sram, block_q=bq, block_k=bk)
         except iocount.SramOverflow:
             continue
-        cases.append(Case((n, d, sram, bq, bk), f"n={n}, d={d}, sram={sram}, block_q={bq}, block_k={bk}"))
+        return n, d, sram, bq, bk
+
+
+def _cases(t: Trial, algorithm: str) -> list[Case]:
+    kinds = CASE_KINDS + (ROW_TOO_LONG if algorithm == "standard" else ())
+    tiles = 1 if algorithm == "standard" else 2  # standard holds (B_r + B_c) d, the tiled orders 2 (B_r + B_c) d
+    cases = []
+    for kind in kinds:
+        n, d, sram, bq, bk = _one_case(t, algorithm, kind, 5000, tiles)
+        cases.append(Case((n, d, sram, bq, bk), f"{kind}: n={n}, d={d}, sram={sram}, block_q={bq}, block_k={bk}"))
     return cases
 
 
@@ -161,23 +227,37 @@ def _blocks_swapped(d, sram):
     return b_c, min(b_c, d)
 
 
+def _blocks_precedence(d, sram):
+    b_c = sram // 4 * d  # reads as (sram // 4) * d
+    return min(b_c, d), b_c
+
+
+def _blocks_d_rows(d, sram):
+    return d, sram // (4 * d)
+
+
 BLOCK_MUTANTS = [
     Mutant("round down: with ceil(M / 4d) the four tiles 4 B_c d can exceed M (e.g. M = 1000, d = 64 gives "
            "1024 > 1000); the course uses floor(M / 4d).", fn=_blocks_ceil),
     Mutant("B_r = min(B_c, d): the query block is capped at d rows.", fn=_blocks_no_min),
     Mutant("the order is (B_r, B_c) = (block_q, block_k): the K/V block B_c = floor(M / 4d) comes second.",
            fn=_blocks_swapped),
+    Mutant("operator precedence: sram // 4 * d is (sram // 4) * d, a block d^2 times too large. Write "
+           "sram // (4 * d).", fn=_blocks_precedence),
+    Mutant("the query block is capped by B_c as well: when floor(M / 4d) < d, B_r = d rows leave too little room "
+           "beside B_c; take the smaller of the two.", fn=_blocks_d_rows),
 ]
 
 
 def _paper_blocks_part(t: Trial, paper_blocks) -> None:
     cases = []
-    for _ in range(10):
-        d = int(t.rng.integers(1, 257))
-        sram = int(t.rng.integers(4 * d, 300_000))
-        if sram % (4 * d) == 0:
+    for i in range(8):  # half with B_c = floor(M / 4d) > d (B_r is capped), half with B_c < d
+        d = int(t.rng.integers(8, 257))
+        sram = int(t.rng.integers(4 * d * (d + 2), 4 * d * (d + 60))) if i % 2 else int(t.rng.integers(4 * d,
+                                                                                                         4 * d * d))
+        if sram % (4 * d) == 0:  # rounding up and down must differ
             sram += 1
-        cases.append(Case((d, sram), f"d={d}, sram={sram}"))
+        cases.append(Case((d, sram), f"d={d}, sram={sram}, floor(M / 4d) {'>' if i % 2 else '<'} d"))
     t.compare("paper_blocks", 1, student=paper_blocks, cases=cases, mutants=BLOCK_MUTANTS, names=("B_r", "B_c"),
               reference=lambda c: iocount.default_blocks("kv_outer", *c.args), rtol=0, atol=0)
 
@@ -228,8 +308,55 @@ def q2(t: Trial, paper_blocks, best_q_outer_blocks) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- q3: the ratio
-@LAB.question("q3", points=1, objects=("traffic_ratio",))
-def q3(t: Trial, traffic_ratio) -> None:
+def _ratio(n, d, sram, standard=None, tiled=None):
+    """Standard's accesses over a tiled order's, each (reads, writes) pair from the functions given."""
+    b = sram // (2 * d)
+    b_r, b_c = iocount.default_blocks("kv_outer", d, sram)
+    standard = standard or (lambda *a: _rw(iocount.predict("standard", *a[:2], sram=a[2], block_q=a[3],
+                                                           block_k=a[4])))
+    tiled = tiled or (lambda *a: _rw(iocount.predict("kv_outer", *a[:2], sram=a[2], block_q=a[3], block_k=a[4])))
+    return sum(standard(n, d, sram, b, b)) / sum(tiled(n, d, sram, b_r, b_c))
+
+
+RATIO_MUTANTS = [
+    Mutant("the ratio is upside down: standard attention's accesses divided by Algorithm 1's (it is above 1).",
+           fn=lambda n, d, sram: 1 / _ratio(n, d, sram)),
+    Mutant("reads only: an access is a read or a write; add both counts for each algorithm.",
+           fn=lambda n, d, sram: _ratio(n, d, sram, standard=lambda *a: _standard(*a)[:1],
+                                        tiled=lambda *a: _kv_outer(*a)[:1])),
+    Mutant("standard attention with the paper's blocks: its default is B_r = B_c = floor(M / 2d) (two tiles, not "
+           "four), the largest square blocks that fit.",
+           fn=lambda n, d, sram: sum(_standard(n, d, sram, *iocount.default_blocks("kv_outer", d, sram)))
+           / sum(_kv_outer(n, d, sram, *iocount.default_blocks("kv_outer", d, sram)))),
+    Mutant("FlashAttention-2's order instead of Algorithm 1: the ratio asked for is standard over kv_outer, with "
+           "the paper's blocks.", fn=lambda n, d, sram: _ratio(n, d, sram, tiled=_q_outer)),
+]
+
+
+def earlier_answer_problem(t: Trial, question: str, uses: list[tuple[str, str, object, list[tuple[tuple, object]]]]
+                           ) -> str:
+    """The first earlier answer that ``question`` relies on and that is wrong on the inputs it gets from it.
+
+    ``uses`` holds (object name, the question that grades it, the student's object, [(args, right output)]).
+    Returns "q3 uses your standard_counts, which fails q1 — fix that first" or "". A stub (NotImplementedError)
+    propagates: the question is then not implemented yet.
+    """
+    for name, graded_in, fn, checks in uses:
+        for args, right in checks:
+            try:
+                ok = allclose(as_outputs(t.call(fn, *args)), as_outputs(right), 0, 0.5)
+            except NotImplementedYet:
+                raise
+            except Exception:
+                ok = False
+            if not ok:
+                return (f"{question} uses your {name}, which fails {graded_in} (on {', '.join(map(str, args))}) "
+                        f"— fix that first")
+    return ""
+
+
+@LAB.question("q3", points=1, objects=("traffic_ratio", "standard_counts", "kv_outer_counts", "paper_blocks"))
+def q3(t: Trial, traffic_ratio, standard_counts, kv_outer_counts, paper_blocks) -> None:
     """traffic_ratio(n, d, sram): standard attention's accesses / Algorithm 1's, both with default blocks."""
     cases = [Case((65_536, 64, 227 * 1024 // 2), "n=65536, d=64, M=116224 (H200, bf16)")]
     for _ in range(5):
@@ -241,7 +368,130 @@ def q3(t: Trial, traffic_ratio) -> None:
         standard = iocount.predict("standard", n, d, sram=sram).accesses
         return standard / iocount.predict("kv_outer", n, d, sram=sram).accesses
 
-    t.compare("ratio", 1, student=traffic_ratio, cases=cases, reference=truth, names=("ratio",), rtol=1e-9)
+    if t.compare("ratio", 1, student=traffic_ratio, cases=cases, reference=truth, names=("ratio",), rtol=1e-9,
+                 mutants=RATIO_MUTANTS):
+        return
+    # The inputs traffic_ratio gives the earlier functions when it uses them as task 6 says.
+    uses = [("paper_blocks", "q2", paper_blocks, []), ("standard_counts", "q1", standard_counts, []),
+            ("kv_outer_counts", "q1", kv_outer_counts, [])]
+    for n, d, sram in (c.args for c in cases):
+        b = sram // (2 * d)
+        b_r, b_c = iocount.default_blocks("kv_outer", d, sram)
+        uses[0][3].append(((d, sram), (b_r, b_c)))
+        uses[1][3].append(((n, d, sram, b, b), _rw(iocount.predict("standard", n, d, sram=sram, block_q=b,
+                                                                   block_k=b))))
+        uses[2][3].append(((n, d, sram, b_r, b_c), _rw(iocount.predict("kv_outer", n, d, sram=sram))))
+    problem = earlier_answer_problem(t, "q3", uses)
+    if problem:  # the ratio's own diagnosis would blame the wrong thing
+        label, _, points, _ = t.parts[-1]
+        t.parts[-1] = (label, 0.0, points, problem)
+
+
+# ------------------------------------------------------------------------------- q4: the backward, q-outer order
+def count_q_outer_backward(n: int, d: int, *, sram: int, block_q: int, block_k: int, seed: int = 0
+                           ) -> iocount.Counts:
+    """Run the backward with query blocks outside through the counter's HBM and SRAM, and count it.
+
+    The forward saved O and the logsumexp L; dO is given. dK and dV are first set to zero in HBM (as in
+    Algorithm 4). For each query block, Q_i, O_i and dO_i are loaded, L_i read and dQ_i accumulated on chip; every
+    K/V block streams past with its dK_j and dV_j, which are read, updated and written back; dQ_i is written once.
+    The gradients are checked against :func:`flashlab.reference.attention_backward`.
+    """
+    rng = np.random.default_rng(seed)
+    Q, K, V, dO = (rng.standard_normal((n, d)) for _ in range(4))
+    O, L = reference.attention(Q, K, V)
+    hbm = {name: iocount.HBM(name, x) for name, x in (("Q", Q), ("K", K), ("V", V), ("O", O), ("L", L), ("dO", dO))}
+    for name in ("dQ", "dK", "dV"):
+        hbm[name] = iocount.HBM(name, np.zeros((n, d)))
+    chip, scale, flops = iocount.SRAM(sram), 1.0 / math.sqrt(d), 0
+    hbm["dK"].write(np.s_[:], np.zeros((n, d)))
+    hbm["dV"].write(np.s_[:], np.zeros((n, d)))
+    for r0 in range(0, n, block_q):
+        rows = np.s_[r0:min(r0 + block_q, n)]
+        Qi, Oi, dOi = chip.load(hbm["Q"], rows), chip.load(hbm["O"], rows), chip.load(hbm["dO"], rows)
+        Li, dQi = hbm["L"].read(rows), chip.alloc(Qi.shape)
+        Di = np.sum(dOi * Oi, axis=1, keepdims=True)
+        for c0 in range(0, n, block_k):
+            cols = np.s_[c0:min(c0 + block_k, n)]
+            Kj, Vj = chip.load(hbm["K"], cols), chip.load(hbm["V"], cols)
+            dKj, dVj = chip.load(hbm["dK"], cols), chip.load(hbm["dV"], cols)
+            P = np.exp(scale * Qi @ Kj.T - Li[:, None])
+            dVj += P.T @ dOi
+            dS = P * (dOi @ Vj.T - Di)
+            dQi += scale * dS @ Kj
+            dKj += scale * dS.T @ Qi
+            flops += 2 * P.size * d * 5
+            hbm["dK"].write(cols, dKj)
+            hbm["dV"].write(cols, dVj)
+            chip.free(Kj, Vj, dKj, dVj)
+        hbm["dQ"].write(rows, dQi)
+        chip.free(Qi, Oi, dOi, dQi)
+    want = reference.attention_backward(Q, K, V, dO)
+    err = max(np.abs(hbm[g].data - w).max() for g, w in zip(("dQ", "dK", "dV"), want, strict=True))
+    if not err <= 1e-10:
+        raise RuntimeError(f"the q-outer backward computed wrong gradients through the counter (error {err:.3g})")
+    reads = sum(a.reads for a in hbm.values())
+    writes = sum(a.writes for a in hbm.values())
+    return iocount.Counts(reads, writes, flops, n * n, chip.peak)
+
+
+def _q_outer_backward(n, d, sram, bq, bk, *, init=True, read_back=True, write_each=True, dq_each=False,
+                      l_and_m=False, outer="r", ceil=True, read_o=True, init_dq=False, kv_formula=False):
+    """Closed form of :func:`count_q_outer_backward`, with one switch per mistake (defaults = right)."""
+    nd = n * d
+    if kv_formula:  # the chapter's count for Algorithm 4 (K/V blocks outside)
+        t_c = math.ceil(n / bk)
+        return 2 * nd + t_c * (4 * nd + 2 * n), 5 * nd + t_c * nd
+    t = _blocks_of(n, bq if outer == "r" else bk, ceil)
+    reads = (3 if read_o else 2) * nd + (2 if l_and_m else 1) * n + t * (4 if read_back else 2) * nd
+    writes = (2 * nd if init else 0) + (nd if init_dq else 0) + (2 * t * nd if write_each else 2 * nd)
+    writes += math.ceil(n / bk) * nd if dq_each else nd
+    return reads, writes
+
+
+Q_OUTER_BACKWARD_MUTANTS = [
+    Mutant("dK and dV start as zeros in HBM: 2nd writes before the loops (every query block adds to them there).",
+           fn=_flag(_q_outer_backward, init=False)),
+    Mutant("dK_j and dV_j are read back on every visit: each query block adds its share to what HBM holds, so it "
+           "reads them (2 B_c d) before writing them back, T_r times in all.", fn=_flag(_q_outer_backward,
+                                                                                      read_back=False)),
+    Mutant("dK_j and dV_j are written back after every query block, not once: with query blocks outside, no K/V "
+           "block stays on chip from one query block to the next (2 T_r nd writes).",
+           fn=_flag(_q_outer_backward, write_each=False)),
+    Mutant("dQ_i is written once per query block: its accumulator stays on chip while every K/V block streams "
+           "past (nd writes, not one per K/V block).", fn=_flag(_q_outer_backward, dq_each=True)),
+    Mutant("this order reads the forward's logsumexp L (n numbers), not l and m (2n): FlashAttention-2's forward "
+           "saves L alone.", fn=_flag(_q_outer_backward, l_and_m=True)),
+    Mutant("the K/V blocks are the inner loop here: they are re-read once per query block, T_r = ceil(n / block_q) "
+           "times, not T_c.", fn=_flag(_q_outer_backward, outer="c")),
+    Mutant(FLOOR_R, fn=_flag(_q_outer_backward, ceil="floor")),
+    Mutant("O is read too: D_i = rowsum(dO_i * O_i) needs O_i (nd reads, once per query block).",
+           fn=_flag(_q_outer_backward, read_o=False)),
+    Mutant("dQ needs no zeros in HBM: it is accumulated on chip and written once, so only dK and dV are "
+           "initialised (2nd writes, not 3nd).", fn=_flag(_q_outer_backward, init_dq=True)),
+    Mutant("that is Algorithm 4's count (K/V blocks outside, chapter 3 section 8). With query blocks outside, what "
+           "stays on chip and what travels swap: derive it from this loop order.",
+           fn=_flag(_q_outer_backward, kv_formula=True)),
+]
+
+
+def _backward_cases(t: Trial) -> list[Case]:
+    cases = []
+    for kind in CASE_KINDS:  # small n: every case really runs through the counter
+        n, d, sram, bq, bk = _one_case(t, "q_outer backward", kind, 120, 4)
+        cases.append(Case((n, d, sram, bq, bk), f"{kind}: n={n}, d={d}, sram={sram}, block_q={bq}, block_k={bk}"))
+    return cases
+
+
+@LAB.question("q4", points=3, objects=("q_outer_backward_counts",))
+def q4(t: Trial, q_outer_backward_counts) -> None:
+    """q_outer_backward_counts(n, d, sram, block_q, block_k): (reads, writes) of the backward, query blocks outside."""
+    def counted(case: Case):
+        n, d, sram, bq, bk = case.args
+        return _rw(count_q_outer_backward(n, d, sram=sram, block_q=bq, block_k=bk, seed=t.seed))
+
+    t.compare("(reads, writes) equal the counter's", 3, student=q_outer_backward_counts, cases=_backward_cases(t),
+              reference=counted, mutants=Q_OUTER_BACKWARD_MUTANTS, names=("reads", "writes"), rtol=0, atol=0.5)
 
 
 # ------------------------------------------------------------------------------ chapter 9: the known mistakes
@@ -273,6 +523,15 @@ KNOWN_MISTAKES = KnownMistakes(
         "KV_OUTER_MUTANTS": lambda: _counts_demo("kv_outer", _TILED_COUNT_EXAMPLES),
         "Q_OUTER_MUTANTS": lambda: _counts_demo("q_outer", _TILED_COUNT_EXAMPLES),
         "BLOCK_MUTANTS": _blocks_demo,
+        "RATIO_MUTANTS": lambda: Demo(
+            examples=[("n = 65536, d = 64, M = 116224 (H200, bf16)", (65_536, 64, 116_224)),
+                      ("n = 4096, d = 128, M = 49152", (4096, 128, 49_152))],
+            right=lambda args: _ratio(*args), names=("ratio",)),
+        "Q_OUTER_BACKWARD_MUTANTS": lambda: Demo(
+            examples=[("n = 300, d = 16, M = 5000, block_q = 48, block_k = 20", (300, 16, 5000, 48, 20))],
+            right=lambda args: _rw(count_q_outer_backward(*args[:2], sram=args[2], block_q=args[3],
+                                                          block_k=args[4])),
+            names=("reads", "writes")),
     },
     other_diagnoses=[
         OtherDiagnosis("q2", "best_q_outer_blocks", "blocks that do not fit in SRAM",
