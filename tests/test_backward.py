@@ -175,7 +175,7 @@ def test_lab04_diagnoses_each_known_mistake():
 
     for mutant in lab04.MUTANTS:
         result = run_question("lab04", "q1", [mutant.fn])
-        assert result.score < 6, mutant.message
+        assert result.score < result.max_score, mutant.message
         assert mutant.message in result.feedback, (mutant.message, result.feedback)
     for mutant in lab04.FLOP_MUTANTS:
         result = run_question("lab04", "q2", [mutant.fn])
@@ -190,7 +190,6 @@ def test_a_pass_at_a_loose_tolerance_does_not_contradict_a_mutant():
     mutant = lab04.MUTANTS[1]
     assert "one tile" in mutant.message
     result = run_question("lab04", "q1", [mutant.fn], seed=885530232)
-    assert "[ok  ] huge scores" in result.feedback
     assert mutant.message in result.feedback, result.feedback
 
 
@@ -205,8 +204,8 @@ def test_lab04_memory_part_fails_an_answer_that_stores_p():
 
     with answers.trusted():  # the package's own implementations, graded as reference submissions
         result = run_question("lab04", "q1", [stores_p])
-        assert result.score == 5 and "[FAIL] memory" in result.feedback
-        assert run_question("lab04", "q1", [tiled_answer]).score == 6
+        assert result.score == 3 and "[FAIL] memory" in result.feedback
+        assert run_question("lab04", "q1", [tiled_answer]).score == 9
     assert run_question("lab04", "q1", [tiled_answer]).score == 0  # handed in by a student: the course's answer
 
 
