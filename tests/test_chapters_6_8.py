@@ -67,23 +67,24 @@ def ch7_ladder():
     return ns, printed, shown
 
 
-def ladder_ratio_span(a: str, b: str, d: int | None = None) -> str:
-    """The 'lo–hi%' of TFLOP/s(a) / TFLOP/s(b) over the ladder record's rows, computed here independently."""
-    rows = [r for r in records.read_record("benchmarks/ladder")["rows"] if "error" not in r]
-    tf = {(r["impl"], r["d"], r["n"], r["causal"]): r["tflops"] for r in rows}
+def ratio_span(rows: list[dict], a: str, b: str, d: int | None = None) -> str:
+    """The 'lo–hi%' of TFLOP/s(a) / TFLOP/s(b) over a record's rows, computed here independently of the chapter."""
+    tf = {(r["impl"], r["d"], r["n"], r["causal"]): r["tflops"] for r in rows if "error" not in r}
     vals = [tf[(a, *k[1:])] / tf[(b, *k[1:])] for k in tf
             if k[0] == a and (b, *k[1:]) in tf and d in (None, k[1])]
     return f"{100 * min(vals):.0f}–{100 * max(vals):.0f}%"
 
 
 def test_chapter7_prints_rung9_ranges_computed_from_the_ladder_record(ch7_ladder):
-    _, printed, shown = ch7_ladder
+    ns, printed, shown = ch7_ladder
+    rows = records.read_record(RECORD_READ.search(text(cell_by_id(CH7, "705bd2bb")))[1])["rows"]  # the chapter's
+    assert rows == ns["ladder"]["rows"]
     for d in (128, 64):
-        want = ladder_ratio_span("addressing", "sdpa_flash", d)
+        want = ratio_span(rows, "addressing", "sdpa_flash", d)
         assert f"d = {d:<3}: rung 9 runs at {want} of SDPA flash" in printed
     summary = shown[-1]
-    assert f"{ladder_ratio_span('addressing', 'sdpa_flash')} of SDPA flash" in summary
-    assert f"{ladder_ratio_span('lean', 'sdpa_flash', 128)} of SDPA flash" in summary
+    assert f"{ratio_span(rows, 'addressing', 'sdpa_flash')} of SDPA flash" in summary
+    assert f"{ratio_span(rows, 'lean', 'sdpa_flash', 128)} of SDPA flash" in summary
 
 
 def test_chapter7_types_no_range_against_a_reference_in_its_prose():
@@ -184,7 +185,8 @@ def test_no_project_target_wording(path):
 
 
 def test_chapter8_explains_rows_faster_than_the_copy_time():
-    rows = [r for r in records.read_record("ch8/decode")["rows"] if "x_read_once" in r]
+    shown = RECORD_READ.search(text(cell_by_id(CH8, "13daa64d")))[1]  # the decoding record the chapter shows
+    rows = [r for r in records.read_record(shown)["rows"] if "x_read_once" in r]
     prose = markdown(CH8)
     assert not re.search(r"\bthe floor\b|reaches the floor", all_text(CH8))  # the copy time is no floor
     if min(r["x_read_once"] for r in rows) < 1:
