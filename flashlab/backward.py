@@ -9,7 +9,9 @@ never needs the ``n x m`` matrix P that standard attention keeps, and walks over
   ``dP_ij = dO_i V_j^T``; ``dS_ij = P_ij * (dP_ij - D_i)``; ``dQ_i += scale * dS_ij K_j``;
   ``dK_j += scale * dS_ij^T Q_i``.
 
-That is FlashAttention-2's backward order: dK_j and dV_j stay in "SRAM" while the Q blocks stream past; dQ is
+That is the backward order of both FlashAttention papers (the first paper's Algorithm 4, FlashAttention-2's
+Algorithm 2) in FlashAttention-2's form, P from L and D computed once: dK_j and dV_j stay in "SRAM" while the Q
+blocks stream past; dQ is
 accumulated in its full-size output. Five ``B_r x B_c`` matmuls per tile against the forward's two: 2.5x the
 forward's FLOPs (the recomputation of S is one of the five).
 """
