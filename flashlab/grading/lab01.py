@@ -306,7 +306,7 @@ def q2(t: Trial, online_merge) -> None:
               mutants=MERGE_MUTANTS, names=("m", "l", "u"))
 
 
-@LAB.question("q3", points=2, objects=("attend_in_blocks",))
+@LAB.question("q3", points=2, objects=("attend_in_blocks",), uses=("online_update",))
 def q3(t: Trial, attend_in_blocks) -> None:
     """attend_in_blocks(scores, values, block) gives the softmax-weighted average of values."""
     cases = [Case((np.array([0, 0, LN3, LN3]), np.array([0.0, 0, 1, 1]), 2), "the scalar example (answer 0.75)")]

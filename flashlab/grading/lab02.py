@@ -190,7 +190,7 @@ def _qkv(t: Trial, n: int, m: int, d: int, dv: int):
     return t.rng.standard_normal((n, d)), t.rng.standard_normal((m, d)), t.rng.standard_normal((m, dv))
 
 
-@LAB.question("q2", points=6, objects=("flash_forward",))
+@LAB.question("q2", points=6, objects=("flash_forward",), uses=("tiles",))
 def q2(t: Trial, flash_forward) -> None:
     """flash_forward(Q, K, V, block_q, block_k) returns O and L = logsumexp, one tile of scores at a time."""
     names = ("O", "L")
