@@ -452,8 +452,9 @@ def q1(t: Trial, online_update) -> None:
     t.compare("huge scores (up to 1000)", 1, student=online_update, cases=huge, reference=ref, run=_fold,
               mutants=UPDATE_MUTANTS, names=names)
 
-    masked = [_fold_case([0.5, -np.inf, -np.inf, 2.0], [1.0, 4.0, 4.0, -1.0], [1, 3], "masked block, then a larger max"),
-              _fold_case([2.0, -np.inf, -np.inf, 0.5], [1.0, 4.0, 4.0, -1.0], [1, 3], "masked block, then a smaller max")]
+    v4 = [1.0, 4.0, 4.0, -1.0]
+    masked = [_fold_case([0.5, -np.inf, -np.inf, 2.0], v4, [1, 3], "masked block, then a larger max"),
+              _fold_case([2.0, -np.inf, -np.inf, 0.5], v4, [1, 3], "masked block, then a smaller max")]
     for i in range(4):
         k = int(t.rng.integers(3, 10))
         s = t.rng.standard_normal(k)
