@@ -529,7 +529,7 @@ class Trial:
         raised = sum(isinstance(got, BaseException) for _, _, got in failures)
         compared = [(e, g) for _, e, g in failures if not isinstance(g, BaseException) and len(g) == len(e)]
         bits = []
-        if compared and len(compared[0][0]) > 1:
+        if compared:
             labels = list(names) if names else [f"output[{i}]" for i in range(len(compared[0][0]))]
             wrong = [sum(not allclose((g[i],), (e[i],), rtol, atol) for e, g in compared) for i in range(len(labels))]
             if len(compared) == total:

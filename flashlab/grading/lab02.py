@@ -175,6 +175,14 @@ def _mutant_forward(
 
 
 def _switch(**flags):
+    # The first switches were booleans: scale=False, lse=False, rescale=False still mean what they meant.
+    if isinstance(flags.get("scale"), bool):
+        flags["scale"] = "1/sqrt(d)" if flags["scale"] else "none"
+    if isinstance(flags.get("lse"), bool):
+        flags["lse"] = "m + log l" if flags["lse"] else "m"
+    if flags.pop("rescale", True) is False:
+        flags.update(rescale_l=False, rescale_acc=False)
+
     def fn(Q, K, V, block_q, block_k):
         return _mutant_forward(Q, K, V, block_q, block_k, **flags)
 
