@@ -86,7 +86,7 @@ def _naive_but_right(Q, K, V, block_q, block_k):
         ("lab02", "q2", lab02._switch(rescale_l=False), "the accumulated output is rescaled but l is not"),
         ("lab02", "q3", lab02._switch(rescale_acc=False), "l is rescaled but the accumulated output is not"),
         ("lab02", "q3", lab02._switch(reset_per_tile=True), "reset for every K/V tile"),
-        ("lab02", "q3", _drop_last_query_tile, "last ragged query tile is dropped"),
+        ("lab02", "q3", _drop_last_query_tile, "skips the last ragged query tile"),
     ],
 )
 def test_promised_diagnoses(lab_id, question, fn, phrase):

@@ -273,15 +273,27 @@ FORWARD_MUTANTS = [
     Mutant(RAGGED_Q, explains=_dropped_last_q_tile),
 ]
 
+# The K/V-outer list words the shared mistakes its own way: chapter 9 finds each mistake by a phrase of its message.
 KV_OUTER_MUTANTS = [
-    Mutant(SCALE, fn=_switch(scale="none")),
-    Mutant(LSE_IS_MAX, fn=_switch(lse="m")),
-    Mutant(NO_RESCALE, fn=_switch(rescale_l=False, rescale_acc=False), key=_only_O),
+    Mutant("the scores lack the 1/sqrt(d) scale: S_ij = Q_i K_j^T / sqrt(d) (d = Q.shape[1]).",
+           fn=_switch(scale="none")),
+    Mutant("L is taken from m alone: after the outer loop, L = m + log(l) for each row.", fn=_switch(lse="m")),
+    Mutant(
+        "a visit does not rescale when the max grows: the restored sum l * O and l itself are multiplied by "
+        "exp(m_old - m_new) before the tile's P V_j and rowsum(P) are added.",
+        fn=_switch(rescale_l=False, rescale_acc=False),
+        key=_only_O,
+    ),
     Mutant(L_ONLY, fn=_switch(rescale_acc=False)),
     Mutant(ACC_ONLY, fn=_switch(rescale_l=False)),
     Mutant(FLIPPED, fn=_switch(flip_alpha=True)),
     Mutant(MAX_NOT_UPDATED, fn=_switch(update_max=False)),
-    Mutant(NO_MAX, fn=_switch(subtract_max=False), key=_only_O),
+    Mutant(
+        "exp of raw scores: without the running max subtracted, exp overflows to inf (inf/inf = nan) when scores "
+        "reach ~1000; exponentiate S - m_new.",
+        fn=_switch(subtract_max=False),
+        key=_only_O,
+    ),
     Mutant(
         "O is read back normalised but not multiplied by its l: the paper keeps O = acc / l in HBM, so a visit "
         "first restores acc = l_old * O (then rescales by exp(m_old - m_new), adds P V_j and divides by l_new).",
@@ -294,8 +306,17 @@ KV_OUTER_MUTANTS = [
         "once, before the outer loop; each visit of a query tile reads them, updates them and writes them back.",
         fn=_switch(reset_per_tile=True),
     ),
-    Mutant(RAGGED_K, fn=_switch(drop_ragged_k=True), key=_only_O),
-    Mutant(RAGGED_Q, explains=_dropped_last_q_tile),
+    Mutant(
+        "the outer loop skips the last ragged K/V tile: when the key count is not a multiple of block_k the "
+        "remaining keys still form a (shorter) tile; loop over range(0, n_keys, block_k) and slice up to n_keys.",
+        fn=_switch(drop_ragged_k=True),
+        key=_only_O,
+    ),
+    Mutant(
+        "the inner loop skips the last ragged query tile: its rows are never visited; loop over "
+        "range(0, n, block_q) (or your tiles(n, block_q)).",
+        explains=_dropped_last_q_tile,
+    ),
 ]
 
 
@@ -513,7 +534,7 @@ KNOWN_MISTAKES = KnownMistakes(
         ("q2", "the last ragged query tile is dropped"): [
             HandWritten("the query loop is range(0, n - n % block_q, block_q)", lambda: _drop_last_query_tile),
         ],
-        ("q3", "the last ragged query tile is dropped"): [
+        ("q3", "the inner loop skips the last ragged query tile"): [
             HandWritten("the inner query loop is range(0, n - n % block_q, block_q)",
                         lambda: _kv_outer_drop_last_query_tile),
         ],
@@ -522,6 +543,6 @@ KNOWN_MISTAKES = KnownMistakes(
         OtherDiagnosis("q2", "flash_forward", "the whole n x m score matrix is built (right answer, too much memory)",
                        _NAIVE),
         OtherDiagnosis("q3", "flash_forward_kv_outer",
-                       "the whole n x m score matrix is built (right answer, too much memory)", _NAIVE),
+                       "it builds the whole n x m score matrix (right answer, too much memory)", _NAIVE),
     ],
 )
