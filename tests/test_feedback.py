@@ -139,9 +139,10 @@ def _deterministic_cases():
         yield pytest.param(m, id=f"{m.lab_id}-{m.question}-{m.title[:40]}-{m.variant[:20]}")
 
 
+@pytest.mark.slow  # every mistake of two labs graded three times, lab 02's memory parts at n = 4096 included
 @pytest.mark.parametrize("mistake", list(_deterministic_cases()))
 def test_a_known_mistake_earns_the_same_points_whatever_the_seed(mistake):
-    scores = {seed: mistakes.grade(mistake, seed).score for seed in SEEDS}
+    scores = {seed: mistakes.grade(mistake, seed).score for seed in SEEDS[:3]}
     assert len(set(scores.values())) == 1, f"{mistake!r}: {scores}"
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import os
 import pkgutil
 import re
@@ -263,8 +264,6 @@ def _describe_error(e: BaseException) -> str:
 
 def parameter_names(fn: Any) -> tuple[str, ...]:
     """The positional parameter names of ``fn`` (empty when its signature cannot be read, e.g. a proxy)."""
-    import inspect
-
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):

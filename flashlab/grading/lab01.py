@@ -541,7 +541,7 @@ def q3(t: Trial, attend_in_blocks) -> None:
         return online.attend(s, v)
 
     t.compare("blocks of any size", 2, student=attend_in_blocks, cases=cases, reference=ref, mutants=ATTEND_MUTANTS,
-              names=("result",))
+              names=("result",), arg_names=("scores", "values", "block"))
 
 
 # ------------------------------------------------------------------------------ chapter 9: the known mistakes
