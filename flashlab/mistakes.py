@@ -611,26 +611,52 @@ class Outcome:
     wrong_guesses: list[str]
 
 
-def sweep(seeds: Sequence[int], lab_ids: Sequence[str] | None = None, *, simulator: bool = False,
-          progress: Callable[[str], None] | None = None) -> list[Outcome]:
-    """Grade every runnable mistake with each seed and record, per grading, whether the grader named it and
-    whether it printed another mistake as the likely one."""
+def _grade_seeds(mistake: Mistake, seeds: Sequence[int]) -> list[tuple[int, Result, bool, list[str]]]:
     out = []
-    for mistake in catalogue(lab_ids):
-        if not runnable_here(mistake) or (needs_simulator(mistake.lab_id) and not simulator):
-            continue
-        bad = guessed = 0
-        for seed in seeds:
-            result = grade(mistake, int(seed))
-            outcome = Outcome(mistake, int(seed), result, diagnosed(mistake, result), false_likely(mistake, result))
-            bad += not outcome.named
-            guessed += bool(outcome.wrong_guesses)
-            out.append(outcome)
-        if progress:
-            notes = [f"{bad} of {len(seeds)} seeds not named"] if bad else []
-            notes += [f"{guessed} of {len(seeds)} seeds name another mistake"] if guessed else []
-            progress(f"{'ok  ' if not notes else 'MISS'} {mistake!r}" + (": " + "; ".join(notes) if notes else ""))
+    for seed in seeds:
+        result = grade(mistake, int(seed))
+        out.append((int(seed), result, diagnosed(mistake, result), false_likely(mistake, result)))
     return out
+
+
+def _grade_in_worker(job: tuple[int, tuple[str, ...] | None, tuple[int, ...]]):
+    index, lab_ids, seeds = job  # the mistake by its place in the catalogue: its functions do not pickle
+    return index, _grade_seeds(catalogue(list(lab_ids) if lab_ids else None)[index], seeds)
+
+
+def sweep(seeds: Sequence[int], lab_ids: Sequence[str] | None = None, *, simulator: bool = False,
+          progress: Callable[[str], None] | None = None, jobs: int = 1) -> list[Outcome]:
+    """Grade every runnable mistake with each seed and record, per grading, whether the grader named it and
+    whether it printed another mistake as the likely one. ``jobs > 1`` grades that many mistakes at once, in
+    forked worker processes (each mistake's seeds in one of them)."""
+    found = catalogue(lab_ids)
+    todo = [i for i, m in enumerate(found)
+            if runnable_here(m) and not (needs_simulator(m.lab_id) and not simulator)]
+    seeds = tuple(int(s) for s in seeds)
+    graded: dict[int, list] = {}
+
+    def report(index: int) -> None:
+        rows = graded[index]
+        bad = sum(not named for _, _, named, _ in rows)
+        guessed = sum(bool(wrong) for _, _, _, wrong in rows)
+        if progress:
+            notes = [f"{bad} of {len(rows)} seeds not named"] if bad else []
+            notes += [f"{guessed} of {len(rows)} seeds name another mistake"] if guessed else []
+            progress(f"{'ok  ' if not notes else 'MISS'} {found[index]!r}" + (": " + "; ".join(notes) if notes else ""))
+
+    if jobs > 1 and len(todo) > 1:
+        import multiprocessing
+
+        key = tuple(lab_ids) if lab_ids else None
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            for index, rows in pool.imap_unordered(_grade_in_worker, [(i, key, seeds) for i in todo]):
+                graded[index] = rows
+                report(index)
+    else:
+        for index in todo:
+            graded[index] = _grade_seeds(found[index], seeds)
+            report(index)
+    return [Outcome(found[i], seed, result, named, wrong) for i in todo for seed, result, named, wrong in graded[i]]
 
 
 def seed_sweep(seeds: Sequence[int], lab_ids: Sequence[str] | None = None, *, simulator: bool = False,
@@ -704,13 +730,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--first", type=int, default=1000, help="first seed (default 1000)")
     p.add_argument("--labs", nargs="*", default=None, help="lab ids (default: all)")
     p.add_argument("--simulator", action="store_true", help="include the labs graded in the CUDA simulator (slow)")
+    p.add_argument("--jobs", type=int, default=1, help="mistakes graded at once, in worker processes (default 1)")
     args = p.parse_args(argv)
     if args.simulator:  # chosen before anything imports numba.cuda, as the simulator must be
         from .numba_cuda import use_simulator
 
         use_simulator()
     outcomes = sweep(range(args.first, args.first + args.seeds), args.labs, simulator=args.simulator,
-                     progress=lambda line: print(line, flush=True))
+                     progress=lambda line: print(line, flush=True), jobs=args.jobs)
     misses = [o for o in outcomes if not o.named or o.wrong_guesses]
     for o in misses:
         why = "not named" if not o.named else "named as likely: " + "; ".join(o.wrong_guesses)
