@@ -162,7 +162,8 @@ def _mutant_forward(
             l_new = (alpha if rescale_l else 1.0) * li + P.sum(axis=1)
             a_acc = (alpha if rescale_acc else np.ones(rows))[:, None]
             acc = (a_acc * acc + P @ Vj) / l_new[:, None] if normalise_in_loop else a_acc * acc + P @ Vj
-            results.append((P @ Vj) / P.sum(axis=1)[:, None])
+            if average:
+                results.append((P @ Vj) / P.sum(axis=1)[:, None])
             li = l_new
             if update_max:
                 mi = m_new
