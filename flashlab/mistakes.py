@@ -40,6 +40,7 @@ import numpy as np
 
 from .grading import answers
 from .grading.core import (
+    QUESTION_TIME_LIMIT,
     Mutant,
     Result,
     allclose,
@@ -360,14 +361,14 @@ def _submission(mistake: Mistake) -> list:
     return [wrong if name == mistake.obj else solution_object(mistake.lab_id, name) for name in question.objects]
 
 
-def grade(mistake: Mistake, seed: int = SEED) -> Result:
+def grade(mistake: Mistake, seed: int = SEED, time_limit: float | None = QUESTION_TIME_LIMIT) -> Result:
     """Grade the mistake as a student's submission: the wrong object in its place, the solution's elsewhere.
 
     The course's wrong implementations may reuse the package's own answers (a forward that skips the last query
     tile by calling ``flashlab.tiled.forward``): they are graded with those answers left alone.
     """
     with answers.trusted():
-        return run_question(mistake.lab_id, mistake.question, _submission(mistake), seed=seed)
+        return run_question(mistake.lab_id, mistake.question, _submission(mistake), seed=seed, time_limit=time_limit)
 
 
 def grader_message(mistake: Mistake, seed: int = SEED) -> str:
@@ -611,24 +612,29 @@ class Outcome:
     wrong_guesses: list[str]
 
 
-def _grade_seeds(mistake: Mistake, seeds: Sequence[int]) -> list[tuple[int, Result, bool, list[str]]]:
+def _grade_seeds(mistake: Mistake, seeds: Sequence[int], time_limit: float | None
+                 ) -> list[tuple[int, Result, bool, list[str]]]:
     out = []
     for seed in seeds:
-        result = grade(mistake, int(seed))
+        result = grade(mistake, int(seed), time_limit)
         out.append((int(seed), result, diagnosed(mistake, result), false_likely(mistake, result)))
     return out
 
 
-def _grade_in_worker(job: tuple[int, tuple[str, ...] | None, tuple[int, ...]]):
-    index, lab_ids, seeds = job  # the mistake by its place in the catalogue: its functions do not pickle
-    return index, _grade_seeds(catalogue(list(lab_ids) if lab_ids else None)[index], seeds)
+def _grade_in_worker(job: tuple[int, tuple[str, ...] | None, tuple[int, ...], float | None]):
+    index, lab_ids, seeds, time_limit = job  # the mistake by its place in the catalogue: its functions do not pickle
+    return index, _grade_seeds(catalogue(list(lab_ids) if lab_ids else None)[index], seeds, time_limit)
 
 
 def sweep(seeds: Sequence[int], lab_ids: Sequence[str] | None = None, *, simulator: bool = False,
-          progress: Callable[[str], None] | None = None, jobs: int = 1) -> list[Outcome]:
+          progress: Callable[[str], None] | None = None, jobs: int = 1,
+          time_limit: float | None = None) -> list[Outcome]:
     """Grade every runnable mistake with each seed and record, per grading, whether the grader named it and
     whether it printed another mistake as the likely one. ``jobs > 1`` grades that many mistakes at once, in
-    forked worker processes (each mistake's seeds in one of them)."""
+    forked worker processes (each mistake's seeds in one of them).
+
+    ``time_limit`` bounds each question (none by default): the sweep checks diagnoses, and on a busy machine a
+    question of the course's own wrong code may take longer than a student's check is allowed to."""
     found = catalogue(lab_ids)
     todo = [i for i, m in enumerate(found)
             if runnable_here(m) and not (needs_simulator(m.lab_id) and not simulator)]
@@ -649,27 +655,28 @@ def sweep(seeds: Sequence[int], lab_ids: Sequence[str] | None = None, *, simulat
 
         key = tuple(lab_ids) if lab_ids else None
         with multiprocessing.get_context("fork").Pool(jobs) as pool:
-            for index, rows in pool.imap_unordered(_grade_in_worker, [(i, key, seeds) for i in todo]):
+            jobs_ = [(i, key, seeds, time_limit) for i in todo]
+            for index, rows in pool.imap_unordered(_grade_in_worker, jobs_):
                 graded[index] = rows
                 report(index)
     else:
         for index in todo:
-            graded[index] = _grade_seeds(found[index], seeds)
+            graded[index] = _grade_seeds(found[index], seeds, time_limit)
             report(index)
     return [Outcome(found[i], seed, result, named, wrong) for i in todo for seed, result, named, wrong in graded[i]]
 
 
 def seed_sweep(seeds: Sequence[int], lab_ids: Sequence[str] | None = None, *, simulator: bool = False,
-               progress: Callable[[str], None] | None = None) -> list[tuple[Mistake, int, str]]:
+               progress: Callable[[str], None] | None = None, time_limit: float | None = None
+               ) -> list[tuple[Mistake, int, str]]:
     """Grade every runnable mistake with each seed; return (mistake, seed, feedback) wherever it is not named or
     another mistake is printed as the likely one.
 
     Students get a fresh seed at every check, so a diagnosis must hold for any draw, not only for the seed the
     tests use. ``simulator=True`` includes the labs graded in the CUDA simulator (slow).
     """
-    return [(o.mistake, o.seed, o.result.feedback) for o in sweep(seeds, lab_ids, simulator=simulator,
-                                                                   progress=progress)
-            if not o.named or o.wrong_guesses]
+    outcomes = sweep(seeds, lab_ids, simulator=simulator, progress=progress, time_limit=time_limit)
+    return [(o.mistake, o.seed, o.result.feedback) for o in outcomes if not o.named or o.wrong_guesses]
 
 
 @dataclass
@@ -731,13 +738,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--labs", nargs="*", default=None, help="lab ids (default: all)")
     p.add_argument("--simulator", action="store_true", help="include the labs graded in the CUDA simulator (slow)")
     p.add_argument("--jobs", type=int, default=1, help="mistakes graded at once, in worker processes (default 1)")
+    p.add_argument("--time-limit", type=float, default=0.0,
+                   help="seconds a question may run (default 0: no limit; the sweep checks diagnoses, not speed)")
     args = p.parse_args(argv)
     if args.simulator:  # chosen before anything imports numba.cuda, as the simulator must be
         from .numba_cuda import use_simulator
 
         use_simulator()
     outcomes = sweep(range(args.first, args.first + args.seeds), args.labs, simulator=args.simulator,
-                     progress=lambda line: print(line, flush=True), jobs=args.jobs)
+                     progress=lambda line: print(line, flush=True), jobs=args.jobs,
+                     time_limit=args.time_limit or None)
     misses = [o for o in outcomes if not o.named or o.wrong_guesses]
     for o in misses:
         why = "not named" if not o.named else "named as likely: " + "; ".join(o.wrong_guesses)
