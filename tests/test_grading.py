@@ -424,13 +424,14 @@ def test_cli_entry_points(tmp_path):
 
 def test_a_seed_reproduces_scores_and_feedback_tells_how_to_replay(tmp_path):
     sub = _submission(tmp_path / "lab01_flaky.ipynb", None, after=FLAKY_SOURCE)
+    # Seed 18 draws inputs on which this submission earns part of q1's points (most seeds give 1 or 2 of 5).
     first, again, other = (batch.grade_one(sub, timeout=120, seed=s, sandboxed=NO_SANDBOX is None)
-                           for s in (7, 7, 8))
+                           for s in (18, 18, 8))
     assert first["error"] is None and first["questions"] == again["questions"]
     assert first["questions"] != other["questions"]  # other inputs: other failing cases shown
     q1 = first["questions"][0]
     assert 0 < q1["score"] < q1["max_score"], q1
-    q_seed = batch.question_seed(7, "q1")
+    q_seed = batch.question_seed(18, "q1")
     assert f"replay: check('q1', ..., seed={q_seed})" in q1["feedback"]
     # The replay, in the student's own process, gives the same score.
     namespace = {"np": np}
