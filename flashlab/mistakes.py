@@ -16,7 +16,10 @@ else chapter 9 needs about them it declares in ``KNOWN_MISTAKES``, a :class:`~fl
   lab's solution notebook.
 * :func:`demo` runs the mistake on small, telling inputs (``KNOWN_MISTAKES.demos``) beside the right answer;
   :func:`report` puts the demo and the grader's message together, and :class:`Showcase` is what the chapter
-  calls. :func:`seed_sweep` (``python -m flashlab.mistakes --seeds 40``) checks every diagnosis over many seeds.
+  calls. :func:`sweep` (``python -m flashlab.mistakes --seeds 40``) grades every mistake with many seeds and
+  :func:`rates` sums it up per lab: how often each mistake is named (target: at least 95 % of the seeds) and how
+  often another mistake is printed as the likely one (target: never); the command exits non-zero when a lab misses
+  either. :func:`seed_sweep` lists the gradings that miss.
 
 ``tests/test_mistakes.py`` checks that every mutant of every lab is in the catalogue, runnable, and named by
 its own grader; it says what to add to the lab's module when a new mistake is not.
@@ -37,6 +40,7 @@ import numpy as np
 
 from .grading import answers
 from .grading.core import (
+    QUESTION_TIME_LIMIT,
     Mutant,
     Result,
     allclose,
@@ -357,14 +361,14 @@ def _submission(mistake: Mistake) -> list:
     return [wrong if name == mistake.obj else solution_object(mistake.lab_id, name) for name in question.objects]
 
 
-def grade(mistake: Mistake, seed: int = SEED) -> Result:
+def grade(mistake: Mistake, seed: int = SEED, time_limit: float | None = QUESTION_TIME_LIMIT) -> Result:
     """Grade the mistake as a student's submission: the wrong object in its place, the solution's elsewhere.
 
     The course's wrong implementations may reuse the package's own answers (a forward that skips the last query
     tile by calling ``flashlab.tiled.forward``): they are graded with those answers left alone.
     """
     with answers.trusted():
-        return run_question(mistake.lab_id, mistake.question, _submission(mistake), seed=seed)
+        return run_question(mistake.lab_id, mistake.question, _submission(mistake), seed=seed, time_limit=time_limit)
 
 
 def grader_message(mistake: Mistake, seed: int = SEED) -> str:
@@ -578,48 +582,184 @@ class Showcase:
             print(report(mistake, self.seed), end="\n\n")
 
 
+#: A check cell's line that names a mistake as the likely one: "Likely mistake (...): <message>".
+_LIKELY = re.compile(r"Likely mistake(?: \([^)]*\))?: (.+)")
+#: The targets of the seed sweep: each mistake named in at least this share of the seeds ...
+NAMED_TARGET = 0.95
+#: ... and no seed at all where a mistake that is not there is printed as the likely one.
+FALSE_LIKELY_TARGET = 0
+
+
+def likely_titles(result: Result) -> list[str]:
+    """Titles of the mistakes a result's feedback prints as the likely one."""
+    return [mistake_title(m.group(1)) for m in _LIKELY.finditer(result.feedback)]
+
+
+def false_likely(mistake: Mistake, result: Result) -> list[str]:
+    """Mistakes printed as the likely one for this submission that are not ``mistake`` (a wrong guess)."""
+    own = {mistake.title.lower(), mistake_title(mistake.expect).lower()} - {""}
+    printed = [m.group(1) for m in _LIKELY.finditer(result.feedback)]
+    # A grader may add to the title ("reading past the last ragged tile (see the IndexError above)").
+    return [mistake_title(text) for text in printed if not any(t in text.lower() for t in own)]
+
+
+@dataclass
+class Outcome:
+    """One grading of the seed sweep: the mistake, the seed, whether it was named, and any wrong guesses."""
+
+    mistake: Mistake
+    seed: int
+    result: Result
+    named: bool
+    wrong_guesses: list[str]
+
+
+def _grade_seeds(mistake: Mistake, seeds: Sequence[int], time_limit: float | None
+                 ) -> list[tuple[int, Result, bool, list[str]]]:
+    out = []
+    for seed in seeds:
+        result = grade(mistake, int(seed), time_limit)
+        out.append((int(seed), result, diagnosed(mistake, result), false_likely(mistake, result)))
+    return out
+
+
+def _grade_in_worker(job: tuple[int, tuple[str, ...] | None, tuple[int, ...], float | None]):
+    index, lab_ids, seeds, time_limit = job  # the mistake by its place in the catalogue: its functions do not pickle
+    return index, _grade_seeds(catalogue(list(lab_ids) if lab_ids else None)[index], seeds, time_limit)
+
+
+def sweep(seeds: Sequence[int], lab_ids: Sequence[str] | None = None, *, simulator: bool = False,
+          progress: Callable[[str], None] | None = None, jobs: int = 1,
+          time_limit: float | None = None) -> list[Outcome]:
+    """Grade every runnable mistake with each seed and record, per grading, whether the grader named it and
+    whether it printed another mistake as the likely one. ``jobs > 1`` grades that many mistakes at once, in
+    forked worker processes (each mistake's seeds in one of them).
+
+    ``time_limit`` bounds each question (none by default): the sweep checks diagnoses, and on a busy machine a
+    question of the course's own wrong code may take longer than a student's check is allowed to."""
+    found = catalogue(lab_ids)
+    todo = [i for i, m in enumerate(found)
+            if runnable_here(m) and not (needs_simulator(m.lab_id) and not simulator)]
+    seeds = tuple(int(s) for s in seeds)
+    graded: dict[int, list] = {}
+
+    def report(index: int) -> None:
+        rows = graded[index]
+        bad = sum(not named for _, _, named, _ in rows)
+        guessed = sum(bool(wrong) for _, _, _, wrong in rows)
+        if progress:
+            notes = [f"{bad} of {len(rows)} seeds not named"] if bad else []
+            notes += [f"{guessed} of {len(rows)} seeds name another mistake"] if guessed else []
+            progress(f"{'ok  ' if not notes else 'MISS'} {found[index]!r}" + (": " + "; ".join(notes) if notes else ""))
+
+    if jobs > 1 and len(todo) > 1:
+        import multiprocessing
+
+        key = tuple(lab_ids) if lab_ids else None
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            jobs_ = [(i, key, seeds, time_limit) for i in todo]
+            for index, rows in pool.imap_unordered(_grade_in_worker, jobs_):
+                graded[index] = rows
+                report(index)
+    else:
+        for index in todo:
+            graded[index] = _grade_seeds(found[index], seeds, time_limit)
+            report(index)
+    return [Outcome(found[i], seed, result, named, wrong) for i in todo for seed, result, named, wrong in graded[i]]
+
+
 def seed_sweep(seeds: Sequence[int], lab_ids: Sequence[str] | None = None, *, simulator: bool = False,
-               progress: Callable[[str], None] | None = None) -> list[tuple[Mistake, int, str]]:
-    """Grade every runnable mistake with each seed; return (mistake, seed, feedback) wherever it is not named.
+               progress: Callable[[str], None] | None = None, time_limit: float | None = None
+               ) -> list[tuple[Mistake, int, str]]:
+    """Grade every runnable mistake with each seed; return (mistake, seed, feedback) wherever it is not named or
+    another mistake is printed as the likely one.
 
     Students get a fresh seed at every check, so a diagnosis must hold for any draw, not only for the seed the
     tests use. ``simulator=True`` includes the labs graded in the CUDA simulator (slow).
     """
-    misses = []
-    for mistake in catalogue(lab_ids):
-        if not runnable_here(mistake) or (needs_simulator(mistake.lab_id) and not simulator):
-            continue
-        bad = 0
-        for seed in seeds:
-            result = grade(mistake, int(seed))
-            if not diagnosed(mistake, result):
-                misses.append((mistake, int(seed), result.feedback))
-                bad += 1
-        if progress:
-            progress(f"{'ok  ' if not bad else 'MISS'} {mistake!r}" + (f": {bad} of {len(seeds)} seeds" if bad else ""))
-    return misses
+    outcomes = sweep(seeds, lab_ids, simulator=simulator, progress=progress, time_limit=time_limit)
+    return [(o.mistake, o.seed, o.result.feedback) for o in outcomes if not o.named or o.wrong_guesses]
+
+
+@dataclass
+class LabRates:
+    """A lab's seed-sweep rates: per mistake how often it was named, and how often another was guessed."""
+
+    lab_id: str
+    named: dict[str, tuple[int, int]] = field(default_factory=dict)  # repr(mistake) -> (named, gradings)
+    false_likely: int = 0
+    gradings: int = 0
+
+    @property
+    def named_rate(self) -> float:
+        """Share of all gradings that named their mistake."""
+        return sum(k for k, _ in self.named.values()) / max(1, self.gradings)
+
+    @property
+    def lowest(self) -> tuple[str, float]:
+        """The mistake named least often, and its rate."""
+        name, (k, n) = min(self.named.items(), key=lambda kv: kv[1][0] / max(1, kv[1][1]))
+        return name, k / max(1, n)
+
+    @property
+    def meets_targets(self) -> bool:
+        return (not self.named or self.lowest[1] >= NAMED_TARGET) and self.false_likely <= FALSE_LIKELY_TARGET
+
+    def line(self) -> str:
+        if not self.named:
+            return f"{self.lab_id}: no mistake runnable here"
+        name, low = self.lowest
+        verdict = "meets both targets" if self.meets_targets else "MISSES A TARGET"
+        return (f"{self.lab_id}: {len(self.named)} mistakes, {self.gradings} gradings; named correctly "
+                f"{self.named_rate:.1%} (lowest {low:.1%}, {name}; target >= {NAMED_TARGET:.0%} each); "
+                f"another mistake printed as likely {self.false_likely} times "
+                f"({self.false_likely / max(1, self.gradings):.1%}; target {FALSE_LIKELY_TARGET}): {verdict}")
+
+
+def rates(outcomes: Sequence[Outcome]) -> dict[str, LabRates]:
+    """The sweep's outcomes summed up per lab."""
+    per_lab: dict[str, LabRates] = {}
+    for o in outcomes:
+        lab = per_lab.setdefault(o.mistake.lab_id, LabRates(o.mistake.lab_id))
+        k, n = lab.named.get(repr(o.mistake), (0, 0))
+        lab.named[repr(o.mistake)] = (k + o.named, n + 1)
+        lab.false_likely += bool(o.wrong_guesses)
+        lab.gradings += 1
+    return per_lab
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m flashlab.mistakes",
-                                description="Check that every grader diagnosis holds over many random seeds.")
+                                description="Check that every grader diagnosis holds over many random seeds: each "
+                                            f"mistake named in >= {NAMED_TARGET:.0%} of the seeds, and no seed "
+                                            "where another mistake is printed as the likely one.")
     p.add_argument("--seeds", type=int, default=20, help="how many seeds (default 20)")
     p.add_argument("--first", type=int, default=1000, help="first seed (default 1000)")
     p.add_argument("--labs", nargs="*", default=None, help="lab ids (default: all)")
     p.add_argument("--simulator", action="store_true", help="include the labs graded in the CUDA simulator (slow)")
+    p.add_argument("--jobs", type=int, default=1, help="mistakes graded at once, in worker processes (default 1)")
+    p.add_argument("--time-limit", type=float, default=0.0,
+                   help="seconds a question may run (default 0: no limit; the sweep checks diagnoses, not speed)")
     args = p.parse_args(argv)
     if args.simulator:  # chosen before anything imports numba.cuda, as the simulator must be
         from .numba_cuda import use_simulator
 
         use_simulator()
-    misses = seed_sweep(range(args.first, args.first + args.seeds), args.labs, simulator=args.simulator,
-                        progress=lambda line: print(line, flush=True))
-    for mistake, seed, feedback in misses:
-        print(f"\n--- {mistake!r} not named with seed {seed}:\n{feedback}")
+    outcomes = sweep(range(args.first, args.first + args.seeds), args.labs, simulator=args.simulator,
+                     progress=lambda line: print(line, flush=True), jobs=args.jobs,
+                     time_limit=args.time_limit or None)
+    misses = [o for o in outcomes if not o.named or o.wrong_guesses]
+    for o in misses:
+        why = "not named" if not o.named else "named as likely: " + "; ".join(o.wrong_guesses)
+        print(f"\n--- {o.mistake!r} with seed {o.seed}: {why}\n{o.result.feedback}")
+    per_lab = rates(outcomes)
+    print()
+    for lab in per_lab.values():
+        print(lab.line())
     print(f"\n{len(misses)} misses")
-    return 1 if misses else 0
+    return 0 if all(lab.meets_targets for lab in per_lab.values()) else 1
 
 
 def overview() -> str:
@@ -635,10 +775,11 @@ def overview() -> str:
 
 
 __all__ = [
-    "ROOT", "SEED", "Demo", "Mistake", "Row", "Showcase", "catalogue", "declared_mutants", "demo", "demo_for",
-    "diagnosed", "find", "format_rows", "grade", "grader_message", "group_questions", "implementation", "is_mutant",
-    "known", "lab_module", "labs", "local_mutants", "mutant_groups", "needs_gpu", "needs_simulator", "overview",
-    "report", "runnable_here", "seed_sweep", "solution_object", "source_diff", "unmapped_groups",
+    "ROOT", "SEED", "Demo", "LabRates", "Mistake", "Outcome", "Row", "Showcase", "catalogue", "declared_mutants",
+    "demo", "demo_for", "diagnosed", "false_likely", "find", "format_rows", "grade", "grader_message",
+    "group_questions", "implementation", "is_mutant", "known", "lab_module", "labs", "likely_titles",
+    "local_mutants", "mutant_groups", "needs_gpu", "needs_simulator", "overview", "rates", "report",
+    "runnable_here", "seed_sweep", "solution_object", "source_diff", "sweep", "unmapped_groups",
 ]
 
 

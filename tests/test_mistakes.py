@@ -239,7 +239,7 @@ def test_demo_rights_are_the_truth():
     scores, values = np.array([0, 0, np.log(3), np.log(3), 2.0]), np.array([0.0, 0, 1, 1, 4])
     assert float(row.right[0]) == pytest.approx(_softmax_average(scores, values), abs=1e-12)
     assert float(row.right[0]) == pytest.approx(float(online.attend(scores, values)), abs=1e-12)
-    rows = mistakes.demo(mistakes.find("lab02", "ragged K/V tile"))
+    rows = mistakes.demo(mistakes.find("lab02", "ragged K/V tile", question="q2"))
     O, L = reference.attention(*demo_qkv(3, 5, 2, 1, seed=1))
     assert np.allclose(rows[0].right[0], O, atol=1e-14) and np.allclose(rows[0].right[1], L, atol=1e-14)
 
@@ -372,6 +372,17 @@ def test_seed_sweep_grades_each_mistake_with_every_seed(capsys):
     assert len(lines) == sum(mistakes.runnable_here(m) for m in mistakes.catalogue(["lab01"]))
     assert all(line.startswith("ok   Mistake(lab01") for line in lines)
     assert mistakes.main(["--seeds", "1", "--labs", "lab02"]) == 0
+    summary = capsys.readouterr().out
+    assert "lab02: " in summary and "named correctly 100.0%" in summary and "meets both targets" in summary
+
+
+def test_seed_sweep_in_worker_processes_grades_the_same():
+    alone = mistakes.sweep([5], ["lab01"])
+    together = mistakes.sweep([5], ["lab01"], jobs=2)
+    assert [(repr(o.mistake), o.seed, o.named, o.result.score, o.result.feedback) for o in alone] == [
+        (repr(o.mistake), o.seed, o.named, o.result.score, o.result.feedback) for o in together]
+    per_lab = mistakes.rates(together)
+    assert per_lab["lab01"].gradings == len(alone) and per_lab["lab01"].meets_targets
 
 
 def test_seed_sweep_cli_chooses_the_simulator_itself():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import os
 import pkgutil
 import re
@@ -21,7 +22,7 @@ import sys
 import threading
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -48,6 +49,10 @@ class Question:
     objects: tuple[str, ...]
     run: Callable[..., Any]
     title: str = ""
+    #: Objects of the notebook that the graded code calls and that an earlier question grades (lab 01's q3 calls
+    #: the learner's ``online_update``). When this question loses points and such an object fails its own
+    #: question, the feedback says so instead of naming a mistake of the code under test.
+    uses: tuple[str, ...] = ()
 
 
 class Lab:
@@ -65,15 +70,21 @@ class Lab:
         self.questions: dict[str, Question] = {}
         _REGISTRY[lab_id] = self
 
-    def question(self, name: str, *, points: float, objects: Sequence[str], title: str = "") -> Callable:
-        """Decorator registering ``fn(trial, *objects)`` as question ``name`` worth ``points``."""
+    def question(self, name: str, *, points: float, objects: Sequence[str], title: str = "",
+                 uses: Sequence[str] = ()) -> Callable:
+        """Decorator registering ``fn(trial, *objects)`` as question ``name`` worth ``points``.
+
+        ``uses`` names objects the graded code calls that an earlier question grades (see :attr:`Question.uses`).
+        """
         if isinstance(objects, str):
             objects = (objects,)
+        if isinstance(uses, str):
+            uses = (uses,)
 
         def register(fn: Callable) -> Callable:
             doc = (fn.__doc__ or "").strip().splitlines()
             title_ = title or (doc[0] if doc else "")
-            self.questions[name] = Question(self.id, name, float(points), tuple(objects), fn, title_)
+            self.questions[name] = Question(self.id, name, float(points), tuple(objects), fn, title_, tuple(uses))
             return fn
 
         return register
@@ -81,6 +92,10 @@ class Lab:
     @property
     def max_score(self) -> float:
         return sum(q.points for q in self.questions.values())
+
+    def grader_of(self, obj: str, besides: str = "") -> "Question | None":
+        """The first question (other than ``besides``) that grades the notebook object ``obj``."""
+        return next((q for q in self.questions.values() if obj in q.objects and q.name != besides), None)
 
     def __repr__(self) -> str:
         return f"Lab({self.id!r}, questions={list(self.questions)}, max_score={self.max_score:g})"
@@ -144,11 +159,16 @@ class QuestionTimeout(BaseException):
 # ------------------------------------------------------------------------------------------------ trial tools
 @dataclass
 class Case:
-    """One input. ``args`` go to the function under test (through the question's ``run`` adapter)."""
+    """One input. ``args`` go to the function under test (through the question's ``run`` adapter).
+
+    ``names`` label the arguments in feedback (``("Q", "K", "V", "block_q", "block_k")``); without them the
+    feedback takes the parameter names of the student's function when the case is passed to it as it is.
+    """
 
     args: tuple
     label: str = ""
     kwargs: dict = field(default_factory=dict)
+    names: tuple[str, ...] = ()
 
     @property
     def size(self) -> int:
@@ -202,7 +222,7 @@ def allclose(a: Sequence[np.ndarray], b: Sequence[np.ndarray], rtol: float = 1e-
 
 
 def fmt(x: Any, width: int = 300) -> str:
-    """Short printable form of an input or output (arrays rounded; large ones as their shape)."""
+    """Short printable form of an input or output (arrays rounded; large ones as their shape and range)."""
     if isinstance(x, (tuple, list)) and not (x and np.isscalar(x[0])):
         return "(" + ", ".join(fmt(v, width) for v in x) + ")"
     arr = np.asarray(x)
@@ -210,11 +230,14 @@ def fmt(x: Any, width: int = 300) -> str:
         return repr(x)[:width]
     if arr.ndim == 0:
         return np.array2string(arr, precision=6)
-    if arr.size > 40:
-        return f"<array shape {arr.shape}>"
     text = np.array2string(arr, precision=4, separator=", ", threshold=40, max_line_width=10_000)
     text = " ".join(text.split())  # 2-D arrays on one line
-    return text if len(text) <= width else f"<array shape {arr.shape}>"
+    if arr.size <= 40 and len(text) <= width:
+        return text
+    with np.errstate(all="ignore"):
+        finite = arr[np.isfinite(arr)] if arr.dtype.kind in "biuf" else arr.ravel()[:0]
+    span = f", values {finite.min():.4g} .. {finite.max():.4g}" if finite.size else ""
+    return f"<array shape {arr.shape}{span}>"
 
 
 def _copy(x: Any) -> Any:
@@ -227,12 +250,62 @@ def _copy(x: Any) -> Any:
     return x
 
 
+def _copy_case(case: Case) -> Case:
+    return Case(_copy(case.args), case.label, _copy(case.kwargs), case.names)
+
+
 def _call_case(fn: Callable, case: Case) -> Any:
     return fn(*case.args, **case.kwargs)
 
 
 def _describe_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"[:300]
+
+
+def parameter_names(fn: Any) -> tuple[str, ...]:
+    """The positional parameter names of ``fn`` (empty when its signature cannot be read, e.g. a proxy)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in params if p.kind in kinds)
+
+
+def _aligned(got: np.ndarray, expected: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """The two arrays in one shape, as :func:`allclose` compares them, or None when they cannot be."""
+    if got.shape == expected.shape:
+        return got, expected
+    if got.size == expected.size:
+        return got.reshape(expected.shape), expected
+    if got.size == 1 or expected.size == 1:
+        return tuple(np.broadcast_arrays(got, expected))  # type: ignore[return-value]
+    return None
+
+
+def difference(expected: Any, got: Any, rtol: float = 1e-9, atol: float = 1e-12) -> str:
+    """Where an output differs: for arrays, the largest difference with its index and both values, and how many
+    entries differ, so that two printouts that look the same (or a large array) still show the mistake."""
+    e, g = np.asarray(expected, dtype=np.float64), np.asarray(got, dtype=np.float64)
+    pair = _aligned(g, e)
+    if pair is None:
+        return f"expected shape {e.shape}, got shape {g.shape}"
+    g, e = pair
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isclose(g, e, rtol=rtol, atol=atol, equal_nan=True)
+    if e.ndim == 0 or e.size == 1:
+        return f"expected {fmt(e.ravel()[0] if e.ndim else e)}, got {fmt(g.ravel()[0] if g.ndim else g)}"
+    with np.errstate(invalid="ignore", over="ignore"):
+        gap = np.where(bad, np.abs(g - e), -1.0)
+    gap = np.where(bad & np.isnan(gap), np.inf, gap)  # nan or inf where the answer is a number: the worst
+    where = np.unravel_index(int(np.argmax(gap)), e.shape)
+    index = ", ".join(str(int(i)) for i in where)
+    head = ""
+    if e.size <= 40:
+        small_e, small_g = fmt(e), fmt(g)
+        head = f"expected {small_e}, got {small_g}; " if small_e != small_g else f"expected {small_e} (printed alike); "
+    return (f"{head}largest difference at [{index}]: expected {fmt(e[where])}, got {fmt(g[where])} "
+            f"({int(bad.sum())} of {e.size} entries differ)")
 
 
 class Trial:
@@ -254,6 +327,9 @@ class Trial:
         # mutant is contradicted only where it would have failed that same check.
         self._passes: list[tuple[Any, Callable, Case, tuple, float, float]] = []
         self.diagnoses: list[str] = []  # titles of the mistakes named, filled as the feedback is written
+        #: Set by run_question when the code under test calls an earlier answer that fails its own question: the
+        #: feedback then says so first and names no mistake of the code under test.
+        self.dependency_note = ""
 
     # -- calling the student ---------------------------------------------------------------------------------
     def call(self, fn: Callable, *args, **kwargs):
@@ -263,6 +339,11 @@ class Trial:
                 return fn(*args, **kwargs)
         except NotImplementedError as e:
             raise NotImplementedYet(str(e)) from e
+
+    @property
+    def lost_points(self) -> bool:
+        """Whether some part so far earned less than its points."""
+        return any(got < pts for _, got, pts, _ in self.parts)
 
     # -- parts ------------------------------------------------------------------------------------------------
     def expect(self, label: str, points: float, ok: bool, hint: str = "") -> bool:
@@ -283,22 +364,30 @@ class Trial:
         rtol: float = 1e-9,
         atol: float = 1e-12,
         names: Sequence[str] | None = None,
+        arg_names: Sequence[str] | None = None,
     ) -> bool:
         """Run ``student`` on every case and compare with ``reference(case)``.
 
         ``run(fn, case)`` applies an implementation to a case (default ``fn(*case.args, **case.kwargs)``); the
         student and each mutant go through it, so a question can test e.g. a fold of many updates. ``names`` label
-        the outputs in feedback (e.g. ``("O", "L")``). On failure the feedback names the mutant that matches the
-        student's output on the most failing cases, else shows the smallest failing input.
+        the outputs in feedback (e.g. ``("O", "L")``), ``arg_names`` the arguments of cases that carry no
+        ``names`` of their own (default: the student's parameter names, when ``run`` passes the case as it is).
+        On failure the feedback names a known mistake only when its mutant explains every failing input and is
+        right wherever the student is right; otherwise it says which outputs are wrong, without guessing, and
+        shows the smallest failing input.
         """
         run = run or _call_case
+        if arg_names is None and run is _call_case:
+            arg_names = parameter_names(student)
         failures: list[tuple[Case, tuple, Any]] = []  # (case, expected, student output or exception)
         n_cases = 0
         for case in cases:
             n_cases += 1
+            if not case.names and arg_names:
+                case = Case(case.args, case.label, case.kwargs, tuple(arg_names))
             expected = as_outputs(reference(case))
             try:
-                raw = self.call(run, student, Case(_copy(case.args), case.label, _copy(case.kwargs)))
+                raw = self.call(run, student, _copy_case(case))
             except (NotImplementedYet, QuestionTimeout):
                 raise
             except Exception as e:  # the student's bug, reported as feedback
@@ -316,6 +405,7 @@ class Trial:
         if not failures:
             self.parts.append((f"{label} ({n_cases} random inputs)", points, points, ""))
             return True
+
         def message() -> str:
             passes = [(c, e, rt, at) for s, r, c, e, rt, at in self._passes if s is student and r is run]
             return self._diagnose(failures, passes, run, mutants, rtol, atol, names)
@@ -335,11 +425,14 @@ class Trial:
         hint: str = "",
         rtol: float = 1e-9,
         atol: float = 1e-12,
+        shapes: Sequence[tuple[int, ...]] | None = None,
     ) -> bool:
         """Peak memory (tracemalloc) of ``fn(*args)`` must stay under ``limit_bytes``.
 
-        With ``reference``, the output must also be right: a wrong answer does not earn memory points. A function
-        that runs elsewhere (the batch grader's proxies) measures its own peak: ``fn.peak_memory(*args)``.
+        With ``reference``, the output must also be right: a wrong answer does not earn memory points. With
+        ``shapes`` instead, memory is scored on its own: any output of those shapes is measured, right or wrong
+        (the question scores correctness in its other parts). A function that runs elsewhere (the batch grader's
+        proxies) measures its own peak: ``fn.peak_memory(*args)``.
         """
         try:
             if hasattr(fn, "peak_memory"):
@@ -350,6 +443,17 @@ class Trial:
             raise
         except Exception as e:
             return self.expect(label, points, False, f"your code raised {_describe_error(e)}")
+        if shapes is not None:
+            try:
+                got = [np.shape(o) for o in as_outputs(out)]
+            except TypeError:
+                got = None
+            want = [tuple(s) for s in shapes]
+            if got != want:
+                shown = "values that are not arrays" if got is None else ", ".join(map(str, got))
+                msg = (f"memory not measured: your function returned {shown}; expected arrays of shapes "
+                       f"{', '.join(map(str, want))}")
+                return self.expect(label, points, False, msg)
         if reference is not None:
             try:
                 right = allclose(as_outputs(out), as_outputs(reference), rtol, atol)
@@ -363,53 +467,93 @@ class Trial:
         return ok
 
     # -- feedback ---------------------------------------------------------------------------------------------
-    def _diagnose(self, failures, passes, run, mutants, rtol, atol, names) -> str:
-        # A mutant earns a point for each failing input where the student's output equals its output, and loses
-        # one for each input the student got right but the mutant gets wrong (that mistake cannot be theirs).
-        # The contradictions separate mistakes that agree on the failing inputs (e.g. both give nan).
-        best, best_hits, best_score = None, 0, 0
-        for mutant in mutants:
-            hits = contradictions = 0
-            key = mutant.key or (lambda out: out)
+    @staticmethod
+    def _explains(mutant: Mutant, outputs, passes, run, rtol, atol) -> bool:
+        """Whether ``mutant`` accounts for every failing input (the student's output is the mutant's there, and
+        the mutant's is wrong) and is right on every input the student got right."""
+        key = mutant.key or (lambda out: out)
 
-            def mutant_output(case, mutant=mutant):
-                return as_outputs(run(mutant.fn, Case(_copy(case.args), case.label, _copy(case.kwargs))))
+        def mutant_output(case):
+            return run(mutant.fn, _copy_case(case))
 
-            for case, expected, got in failures:
-                if isinstance(got, BaseException):
+        for case, expected, got in outputs:
+            try:
+                if mutant.explains is not None:
+                    if isinstance(got, BaseException) or not mutant.explains(case, got, expected):
+                        return False
                     continue
                 try:
-                    if mutant.explains is not None:
-                        hit = bool(mutant.explains(case, got, expected))
-                    else:
-                        wrong = mutant_output(case)
-                        hit = (not allclose(key(wrong), key(expected), rtol, atol)) and allclose(
-                            key(got), key(wrong), rtol, atol
-                        )
+                    wrong = as_outputs(mutant_output(case))
+                except Exception as e:  # a mistake that crashes explains a crash of the same kind, and only that
+                    if not (isinstance(got, BaseException) and type(got) is type(e)):
+                        return False
+                    continue
+                if isinstance(got, BaseException):
+                    return False
+                if allclose(key(wrong), key(expected), rtol, atol) or not allclose(key(got), key(wrong), rtol, atol):
+                    return False
+            except Exception:
+                return False
+        if mutant.fn is not None:
+            for case, expected, pass_rtol, pass_atol in passes:
+                try:
+                    if not allclose(key(as_outputs(mutant_output(case))), key(expected), pass_rtol, pass_atol):
+                        return False
                 except Exception:
-                    hit = False
-                hits += hit
-            if hits and mutant.fn is not None:
-                for case, expected, pass_rtol, pass_atol in passes[:40]:
-                    try:
-                        contradictions += not allclose(key(mutant_output(case)), key(expected), pass_rtol, pass_atol)
-                    except Exception:
-                        contradictions += 1
-            if hits - contradictions > best_score:
-                best, best_hits, best_score = mutant, hits, hits - contradictions
+                    return False
+        return True
+
+    def _diagnose(self, failures, passes, run, mutants, rtol, atol, names) -> str:
         smallest = min(failures, key=lambda f: f[0].size)
-        text = self._show_case(*smallest, names)
-        if best is not None:
-            self.diagnoses.append(mistake_title(best.message))
-            how = "all" if best_hits == len(failures) else f"{best_hits} of the {len(failures)}"
-            return f"Likely mistake ({how} failing inputs match it): {best.message}\n{text}"
-        return text
+        text = self._show_case(*smallest, names, rtol, atol)
+        if self.dependency_note:  # the failures may well be the earlier answer's: no guess about this code
+            return text
+        explaining = [m for m in mutants if self._explains(m, failures, passes, run, rtol, atol)]
+        titles = list(dict.fromkeys(mistake_title(m.message) for m in explaining))
+        if len(titles) == 1:
+            self.diagnoses.append(titles[0])
+            how = "the failing input" if len(failures) == 1 else f"all {len(failures)} failing inputs"
+            return f"Likely mistake (it explains {how}): {explaining[0].message}\n{text}"
+        known = self._what_is_known(failures, names, rtol, atol)
+        if titles:
+            known += (" Several known mistakes fit every failing input and these inputs cannot tell them apart: "
+                      + "; ".join(titles) + ".")
+        return f"{known}\n{text}" if known else text
 
     @staticmethod
-    def _show_case(case: Case, expected: tuple, got: Any, names) -> str:
+    def _what_is_known(failures, names, rtol, atol) -> str:
+        """Which outputs are wrong on how many of the failing inputs, e.g. "O wrong, L right on 3 of 3 failing
+        inputs" (no mistake is named: none explains them all)."""
+        total = len(failures)
+        raised = sum(isinstance(got, BaseException) for _, _, got in failures)
+        compared = [(e, g) for _, e, g in failures if not isinstance(g, BaseException) and len(g) == len(e)]
+        bits = []
+        if compared:
+            labels = list(names) if names else [f"output[{i}]" for i in range(len(compared[0][0]))]
+            wrong = [sum(not allclose((g[i],), (e[i],), rtol, atol) for e, g in compared) for i in range(len(labels))]
+            if len(compared) == total:
+                states = ", ".join(f"{n} {'wrong' if w else 'right'}" for n, w in zip(labels, wrong, strict=False))
+                if all(w in (0, total) for w in wrong):
+                    bits.append(f"{states} on {total} of {total} failing inputs")
+                else:
+                    bits.append(", ".join(f"{name} wrong on {w}" for name, w in zip(labels, wrong, strict=False))
+                                + f" of {total} failing inputs")
+            else:
+                bits.append(", ".join(f"{name} wrong on {w}" for name, w in zip(labels, wrong, strict=False))
+                            + f" of the {len(compared)} failing inputs where it returned values")
+        if raised:
+            bits.append(f"your code raised an exception on {raised} of {total} failing inputs")
+        if not bits:
+            return ""
+        return "No known mistake explains every failing input. What is known: " + "; ".join(bits) + "."
+
+    @staticmethod
+    def _show_case(case: Case, expected: tuple, got: Any, names, rtol: float = 1e-9, atol: float = 1e-12) -> str:
         lines = [f"Smallest failing input{' (' + case.label + ')' if case.label else ''}:"]
-        shown = [fmt(a) for a in case.args] + [f"{k}={fmt(v)}" for k, v in case.kwargs.items()]
-        lines.append("  args: " + ", ".join(shown))
+        arg_names = list(case.names) + [f"arg{i + 1}" for i in range(len(case.names), len(case.args))]
+        shown = [f"{k} = {fmt(a)}" for k, a in zip(arg_names, case.args, strict=False)]
+        shown += [f"{k} = {fmt(v)}" for k, v in case.kwargs.items()]
+        lines.append("  " + ", ".join(shown))
         labels = list(names) if names else [f"output[{i}]" for i in range(len(expected))]
         if isinstance(got, BadReturn):
             lines.append(f"  your code {got} instead of {', '.join(labels)}")
@@ -427,10 +571,10 @@ class Trial:
             lines.append(f"  you returned {len(got)} value(s), expected {len(expected)} ({', '.join(labels)})")
             return "\n".join(lines)
         for name, e, g in zip(labels, expected, got, strict=False):
-            if allclose((g,), (e,), 1e-9, 1e-12):
+            if allclose((g,), (e,), rtol, atol):
                 lines.append(f"  {name}: correct")
             else:
-                lines.append(f"  {name}: expected {fmt(e)}, got {fmt(g)}")
+                lines.append(f"  {name}: {difference(e, g, rtol, atol)}")
         return "\n".join(lines)
 
     # -- summary ----------------------------------------------------------------------------------------------
@@ -438,7 +582,7 @@ class Trial:
         earned = sum(p[1] for p in self.parts)
         total = sum(p[2] for p in self.parts)
         score = max_score * earned / total if total > 0 else 0.0
-        lines = []
+        lines = [self.dependency_note] if self.dependency_note else []
         for label, got, pts, msg in self.parts:
             msg = msg() if callable(msg) else msg
             mark = "ok  " if got == pts else "FAIL"
@@ -484,8 +628,16 @@ def run_question(
     *,
     seed: int | None = None,
     time_limit: float | None = QUESTION_TIME_LIMIT,
+    uses: Mapping[str, Any] | None = None,
+    earlier: Mapping[str, Result] | None = None,
 ) -> Result:
-    """Run question ``name`` of ``lab_id`` on ``objects``. Never raises because of the student's code."""
+    """Run question ``name`` of ``lab_id`` on ``objects``. Never raises because of the student's code.
+
+    ``uses`` gives the notebook's objects that the question declares it calls (:attr:`Question.uses`), by name;
+    ``earlier`` the results of questions already graded in the same run (reused rather than graded again). When
+    the question loses points and one of those objects fails the question that grades it, the feedback says
+    "q3 uses your online_update, which fails q1 — fix that first" instead of naming a mistake.
+    """
     question = get_lab(lab_id).questions.get(name)
     if question is None:
         known = ", ".join(get_lab(lab_id).questions)
@@ -502,10 +654,14 @@ def run_question(
     try:
         with np.errstate(all="ignore"), _time_limit(time_limit):
             out = question.run(trial, *objects)
-            if out is not None:  # a question may compute its own (points, feedback)
-                points, feedback = out
-                result = Result(name, round(float(points), 3), question.points, str(feedback), seed)
-            else:
+        if out is not None:  # a question may compute its own (points, feedback)
+            points, feedback = out
+            result = Result(name, round(float(points), 3), question.points, str(feedback), seed)
+        else:
+            if trial.lost_points and question.uses:  # graded outside this question's time limit: it has its own
+                trial.dependency_note = _dependency_note(lab_id, question, uses or {}, earlier or {}, seed,
+                                                         time_limit)
+            with np.errstate(all="ignore"), _time_limit(time_limit):
                 result = trial.result(name, question.points)  # diagnoses run here: mutants may divide by zero too
     except answers.AnswerCalled as e:  # the verdict below names the function
         calls = getattr(trial.guard, "calls", None)
@@ -524,15 +680,41 @@ def run_question(
     return answers.verdict(trial.guard, result)
 
 
+def _dependency_note(lab_id: str, question: Question, uses: Mapping[str, Any], earlier: Mapping[str, Result],
+                     seed: int, time_limit: float | None) -> str:
+    """The sentence saying which earlier answer the question's code calls fails its own question ("" if none)."""
+    lab_ = get_lab(lab_id)
+    notes = []
+    for obj in question.uses:
+        grader = lab_.grader_of(obj, besides=question.name)
+        if grader is None:
+            continue
+        if grader.name in earlier:
+            r = earlier[grader.name]
+        else:
+            if uses.get(obj) is None:
+                continue
+            their = [uses.get(n) for n in grader.objects]
+            if any(o is None for o in their):
+                continue
+            r = run_question(lab_id, grader.name, their, seed=seed, time_limit=time_limit)
+        if r.score < r.max_score:
+            notes.append(f"{question.name} uses your {obj}, which fails {grader.name} ({r.score:g}/{r.max_score:g} "
+                         f"points) — fix that first: the failures below may be its mistakes, not this code's.")
+    return "\n".join(notes)
+
+
 def grade_namespace(
     lab_id: str, namespace: dict, *, seed: int | None = None, time_limit: float | None = QUESTION_TIME_LIMIT
 ) -> list[Result]:
     """Grade every question of ``lab_id`` on the objects found by name in ``namespace`` (a notebook's globals)."""
-    results = []
+    results: dict[str, Result] = {}
     for q in get_lab(lab_id).questions.values():
         objs = [namespace.get(n) for n in q.objects]
-        results.append(run_question(lab_id, q.name, objs, seed=seed, time_limit=time_limit))
-    return results
+        uses = {n: namespace.get(n) for n in q.uses}
+        results[q.name] = run_question(lab_id, q.name, objs, seed=seed, time_limit=time_limit, uses=uses,
+                                       earlier=results)
+    return list(results.values())
 
 
 def format_result(r: Result, lab_id: str = "") -> str:
@@ -554,10 +736,11 @@ class Checker:
             print(f"{name}: check deferred (the batch grader runs every question after your notebook)")
             return None
         question = self.lab.questions.get(name)
+        caller = sys._getframe(1).f_globals
         if not objects and question is not None:
-            caller = sys._getframe(1).f_globals
             objects = tuple(caller.get(n) for n in question.objects)
-        print(format_result(run_question(self.lab.id, name, objects, seed=seed), self.lab.id))
+        uses = {n: caller.get(n) for n in question.uses} if question is not None else {}
+        print(format_result(run_question(self.lab.id, name, objects, seed=seed, uses=uses), self.lab.id))
         return None
 
     def __repr__(self) -> str:

@@ -118,6 +118,60 @@ def _update_normalised(m, l, u, s, v):
     return m2, l2, (a * l * u + p @ v) / l2
 
 
+def _update_rescale_l_only(m, l, u, s, v):
+    m2 = max(m, np.max(s))
+    if m2 == -np.inf:
+        return m, l, u
+    a = np.exp(m - m2)
+    p = np.exp(s - m2)
+    return m2, a * l + p.sum(), u + p @ v
+
+
+def _update_rescale_u_only(m, l, u, s, v):
+    m2 = max(m, np.max(s))
+    if m2 == -np.inf:
+        return m, l, u
+    a = np.exp(m - m2)
+    p = np.exp(s - m2)
+    return m2, l + p.sum(), a * u + p @ v
+
+
+def _update_flipped_rescale(m, l, u, s, v):
+    m2 = max(m, np.max(s))
+    if m2 == -np.inf:
+        return m, l, u
+    a = np.exp(m2 - m)  # upside down: exp(m_new - m_old) >= 1, and inf while the state is empty
+    p = np.exp(s - m2)
+    return m2, a * l + p.sum(), a * u + p @ v
+
+
+def _update_keeps_old_max(m, l, u, s, v):
+    m2 = max(m, np.max(s))
+    if m2 == -np.inf:
+        return m, l, u
+    a = np.exp(m - m2)
+    p = np.exp(s - m2)
+    return m, a * l + p.sum(), a * u + p @ v  # the old m handed back
+
+
+def _update_block_max(m, l, u, s, v):
+    m2 = np.max(s)  # this block's max, not the running one
+    if m2 == -np.inf:
+        return m, l, u
+    a = np.exp(m - m2)
+    p = np.exp(s - m2)
+    return m2, a * l + p.sum(), a * u + p @ v
+
+
+def _update_block_against_old_max(m, l, u, s, v):
+    m2 = max(m, np.max(s))
+    if m2 == -np.inf:
+        return m, l, u
+    a = np.exp(m - m2)
+    p = np.exp(s - m)  # the new block measured against the old max
+    return m2, a * l + p.sum(), a * u + p @ v
+
+
 UPDATE_MUTANTS = [
     Mutant(
         "l and u are not rescaled by exp(m - m_new) when a block raises the max: what was summed against the old "
@@ -146,6 +200,36 @@ UPDATE_MUTANTS = [
         fn=_update_normalised,
     ),
     Mutant(
+        "l is rescaled but u is not: both sums were measured against the old max, so both are multiplied by "
+        "alpha = exp(m_old - m_new) before the new block is added (u' = alpha * u + p @ values).",
+        fn=_update_rescale_l_only,
+    ),
+    Mutant(
+        "u is rescaled but l is not: both sums were measured against the old max, so both are multiplied by "
+        "alpha = exp(m_old - m_new) before the new block is added (l' = alpha * l + p.sum()).",
+        fn=_update_rescale_u_only,
+    ),
+    Mutant(
+        "the rescale factor is upside down: alpha = exp(m_old - m_new) is at most 1 (and 0 while the state is "
+        "empty); exp(m_new - m_old) grows, and is inf on the first block (inf * 0 = nan).",
+        fn=_update_flipped_rescale,
+    ),
+    Mutant(
+        "m is not updated: you return the old max, so the next block rescales against the wrong max; return "
+        "m_new = max(m, max(scores)) with the new l and u.",
+        fn=_update_keeps_old_max,
+    ),
+    Mutant(
+        "the running max is replaced by this block's max: m_new = max(m, max(scores)), the largest score seen so "
+        "far, not only this block's (with a smaller block max, exp(m - m_new) > 1 can overflow).",
+        fn=_update_block_max,
+    ),
+    Mutant(
+        "the new block is exponentiated against the old max: p = exp(scores - m_new), not exp(scores - m); with the "
+        "old max the first block gives exp(s + inf) = inf.",
+        fn=_update_block_against_old_max,
+    ),
+    Mutant(
         "normalising inside the loop: you divide by the new l but did not multiply the old (already divided) u "
         "back by the old l. Keep u unnormalised here and divide once, at the end.",
         fn=_update_normalised_wrong,
@@ -169,6 +253,36 @@ def _merge_average(a, b):
     return m, 1.0, (ra + rb) / 2
 
 
+def _merge_swapped_weights(a, b):
+    m = max(a[0], b[0])
+    if m == -np.inf:
+        return m, 0.0, a[2] + b[2]
+    wa, wb = np.exp(b[0] - m), np.exp(a[0] - m)  # each side gets the other's factor
+    return m, wa * a[1] + wb * b[1], wa * a[2] + wb * b[2]
+
+
+def _merge_min(a, b):
+    m = min(a[0], b[0])
+    wa, wb = np.exp(a[0] - m), np.exp(b[0] - m)
+    return m, wa * a[1] + wb * b[1], wa * a[2] + wb * b[2]
+
+
+def _merge_empty_if_either(a, b):
+    if a[0] == -np.inf or b[0] == -np.inf:
+        return -np.inf, 0.0, 0.0 * (np.asarray(a[2]) + np.asarray(b[2]))
+    m = max(a[0], b[0])
+    wa, wb = np.exp(a[0] - m), np.exp(b[0] - m)
+    return m, wa * a[1] + wb * b[1], wa * a[2] + wb * b[2]
+
+
+def _merge_rescale_l_only(a, b):
+    m = max(a[0], b[0])
+    if m == -np.inf:
+        return m, 0.0, a[2] + b[2]
+    wa, wb = np.exp(a[0] - m), np.exp(b[0] - m)
+    return m, wa * a[1] + wb * b[1], a[2] + b[2]
+
+
 MERGE_MUTANTS = [
     Mutant(
         "averaging the two results: each state carries a different mass l, so the merged result is the l-weighted "
@@ -185,6 +299,26 @@ MERGE_MUTANTS = [
         "merging two empty (fully masked) states gives nan: exp(-inf - (-inf)) = nan. When the new max is -inf the "
         "result is the empty state (-inf, 0, 0).",
         fn=_merge_unguarded,
+    ),
+    Mutant(
+        "the two weights are swapped: state a is rescaled by exp(m_a - m) and state b by exp(m_b - m), each by its "
+        "own max.",
+        fn=_merge_swapped_weights,
+    ),
+    Mutant(
+        "the merged max is the smaller one: m = max(m_a, m_b), so that no factor exp(m_own - m) exceeds 1 (with "
+        "the min, an empty side gives exp(+inf)).",
+        fn=_merge_min,
+    ),
+    Mutant(
+        "one empty side empties the merge: when only one state is empty (-inf, 0, 0) the result is the other "
+        "state; only two empty states give the empty state.",
+        fn=_merge_empty_if_either,
+    ),
+    Mutant(
+        "the merge rescales l but not u: u_a and u_b are sums against their own maxes too; multiply each by "
+        "exp(m_own - m) before adding.",
+        fn=_merge_rescale_l_only,
     ),
 ]
 
@@ -203,6 +337,37 @@ def _attend_drop_ragged(scores, values, block):
     return online.attend(scores[:k], values[:k], list(range(block, k, block)))
 
 
+def _attend_returns_u(scores, values, block):
+    s = online.init((), None if np.ndim(values) == 1 else np.shape(values)[-1])
+    for lo in range(0, len(scores), block):
+        s = online.update(s, scores[lo : lo + block], values[lo : lo + block])
+    return s.u
+
+
+def _attend_max_starts_at_zero(scores, values, block):
+    m, l, u = 0.0, 0.0, 0.0
+    for lo in range(0, len(scores), block):
+        sb, vb = scores[lo : lo + block], values[lo : lo + block]
+        m2 = max(m, sb.max())
+        a, p = np.exp(m - m2), np.exp(sb - m2)
+        m, l, u = m2, a * l + p.sum(), a * u + p @ vb
+    return u / l
+
+
+def _attend_slices_one_short(scores, values, block):
+    s = online.init((), None if np.ndim(values) == 1 else np.shape(values)[-1])
+    for lo in range(0, len(scores), block):
+        s = online.update(s, scores[lo : lo + block - 1], values[lo : lo + block - 1])
+    return s.result()
+
+
+def _attend_state_reset_per_block(scores, values, block):
+    for lo in range(0, len(scores), block):
+        s = online.init((), None if np.ndim(values) == 1 else np.shape(values)[-1])
+        s = online.update(s, scores[lo : lo + block], values[lo : lo + block])
+    return s.result()
+
+
 ATTEND_MUTANTS = [
     Mutant(
         "averaging block results: the mean of each block's softmax average ignores that blocks carry different "
@@ -214,10 +379,41 @@ ATTEND_MUTANTS = [
         "shorter block still has to be processed (range(0, k, block) with slices that stop at k).",
         fn=_attend_drop_ragged,
     ),
+    Mutant(
+        "the result is not divided by l: the state's u is a sum of exp(s - m) * v; the softmax average is u / l.",
+        fn=_attend_returns_u,
+    ),
+    Mutant(
+        "the running max starts at 0 instead of -inf: when every score is far below 0 (about -745 or less), "
+        "exp(s - 0) underflows to 0 and u / l = 0 / 0. Start from the empty state (-inf, 0, 0).",
+        fn=_attend_max_starts_at_zero,
+    ),
+    Mutant(
+        "each block slice is one key short: scores[start : start + block] already stops before start + block; "
+        "with - 1 a key per block is skipped (and block = 1 gives empty blocks).",
+        fn=_attend_slices_one_short,
+    ),
+    Mutant(
+        "the state is reset inside the block loop: only the last block is left. Start from (-inf, 0, 0) once, "
+        "before the loop.",
+        fn=_attend_state_reset_per_block,
+    ),
 ]
 
 
 # ------------------------------------------------------------------------------------------------- questions
+# Every part always holds the inputs its points are for (the scalar examples, a later block with a smaller max, a
+# ragged last block, block = 1, scores far below 0, masked blocks on either side): the same wrong code earns the
+# same points whatever the seed; the random inputs around them only make hard-coding pointless.
+FOLD_ARGS = ("scores", "values", "splits")
+#: The lab's second scalar example: every missing rescale (of l, of u, of both) changes its answer 5/3.
+SEPARATING = (np.array([0.0, 0.0, LN3, 0.0]), np.array([0.0, 2.0, 2.0, 2.0]))
+
+
+def _fold_case(scores, values, splits, label: str) -> Case:
+    return Case((np.asarray(scores, float), np.asarray(values, float), list(splits)), label, names=FOLD_ARGS)
+
+
 @LAB.question("q1", points=5, objects=("online_update",))
 def q1(t: Trial, online_update) -> None:
     """online_update folds blocks of scores into (m, l, u) exactly."""
@@ -226,33 +422,39 @@ def q1(t: Trial, online_update) -> None:
     def ref(case):
         return _ref_state(case.args[0], case.args[1])
 
-    one = []
-    for _ in range(4):
+    one = [_fold_case([0.5, -1.0, 2.0], [1.0, 2.0, 3.0], [], "one block, k=3")]
+    for _ in range(3):
         k = int(t.rng.integers(1, 9))
-        one.append(Case((t.rng.standard_normal(k) * 3, _random_values(t, k), []), f"one block, k={k}"))
+        one.append(_fold_case(t.rng.standard_normal(k) * 3, _random_values(t, k), [], f"one block, k={k}"))
     t.compare("one block", 1, student=online_update, cases=one, reference=ref, run=_fold, mutants=UPDATE_MUTANTS,
               names=names)
 
-    many = [Case((np.array([0, 0, LN3, LN3]), np.array([0.0, 0, 1, 1]), [2]), "the scalar example (answer 0.75)")]
-    for i in range(8):
+    many = [
+        _fold_case([0, 0, LN3, LN3], [0.0, 0, 1, 1], [2], "the scalar example (answer 0.75)"),
+        _fold_case(*SEPARATING, [2], "the second scalar example (answer 5/3)"),
+        _fold_case([2.0, 0.5, -1.0, 0.3], [1.0, -1.0, 2.0, 0.5], [2], "the max falls in the second block"),
+    ]
+    for i in range(6):
         k = int(t.rng.integers(2, 13))
         s = t.rng.standard_normal(k) * 3
         if i % 2 == 0:
             s = np.sort(s)  # the max grows with every block: the rescale is needed each time
-        many.append(Case((s, _random_values(t, k), _random_splits(t, k)), f"k={k}"))
+        many.append(_fold_case(s, _random_values(t, k), _random_splits(t, k), f"k={k}"))
     t.compare("several blocks, any split", 2, student=online_update, cases=many, reference=ref, run=_fold,
               mutants=UPDATE_MUTANTS, names=names)
 
-    huge = []
-    for _ in range(4):
+    huge = [_fold_case([998.0, 1000.0], [0.0, 1.0], [1], "scores 998 then 1000")]
+    for _ in range(3):
         k = int(t.rng.integers(2, 10))
         s = np.sort(t.rng.uniform(-1000, 1000, k))
         s[-1] = 1000.0
-        huge.append(Case((s, _random_values(t, k), _random_splits(t, k)), f"scores up to 1000, k={k}"))
+        huge.append(_fold_case(s, _random_values(t, k), _random_splits(t, k), f"scores up to 1000, k={k}"))
     t.compare("huge scores (up to 1000)", 1, student=online_update, cases=huge, reference=ref, run=_fold,
               mutants=UPDATE_MUTANTS, names=names)
 
-    masked = []
+    v4 = [1.0, 4.0, 4.0, -1.0]
+    masked = [_fold_case([0.5, -np.inf, -np.inf, 2.0], v4, [1, 3], "masked block, then a larger max"),
+              _fold_case([2.0, -np.inf, -np.inf, 0.5], v4, [1, 3], "masked block, then a smaller max")]
     for i in range(4):
         k = int(t.rng.integers(3, 10))
         s = t.rng.standard_normal(k)
@@ -264,7 +466,7 @@ def q1(t: Trial, online_update) -> None:
             j2 = int(t.rng.integers(j + 1, k))
             s[j:j2] = -np.inf
             splits = [j, j2]
-        masked.append(Case((s, _random_values(t, k), splits), f"a fully masked block, k={k}"))
+        masked.append(_fold_case(s, _random_values(t, k), splits, f"a fully masked block, k={k}"))
     t.compare("a fully masked block (-inf scores)", 1, student=online_update, cases=masked, reference=ref, run=_fold,
               mutants=UPDATE_MUTANTS, names=names)
 
@@ -276,6 +478,9 @@ def _merge_run(fn, case: Case) -> tuple:
     return tuple(fn(a, b))
 
 
+MERGE_ARGS = ("scores", "values", "split (state_a: scores[:split], state_b: scores[split:])")
+
+
 @LAB.question("q2", points=3, objects=("online_merge",))
 def q2(t: Trial, online_merge) -> None:
     """online_merge combines the states of two disjoint sets of keys."""
@@ -283,11 +488,14 @@ def q2(t: Trial, online_merge) -> None:
     def ref(case):
         return _ref_state(case.args[0], case.args[1])
 
-    cases = []
-    for i in range(8):
+    cases = [Case((np.array([0, 0, LN3, LN3]), np.array([0.0, 0, 1, 1]), 2), "the scalar example split in two",
+                  names=MERGE_ARGS),
+             Case((np.array([1.5, -0.5, 0.0]), np.array([1.0, 3.0, -2.0]), 1), "the larger max on the left",
+                  names=MERGE_ARGS)]
+    for i in range(6):
         k = int(t.rng.integers(2, 12))
-        s = t.rng.standard_normal(k) * (1000 if i == 7 else 3)
-        cases.append(Case((s, _random_values(t, k), int(t.rng.integers(1, k))), f"k={k}"))
+        s = t.rng.standard_normal(k) * (1000 if i == 5 else 3)
+        cases.append(Case((s, _random_values(t, k), int(t.rng.integers(1, k))), f"k={k}", names=MERGE_ARGS))
     t.compare("two halves", 2, student=online_merge, cases=cases, reference=ref, run=_merge_run,
               mutants=MERGE_MUTANTS, names=("m", "l", "u"))
 
@@ -300,17 +508,28 @@ def q2(t: Trial, online_merge) -> None:
             s[:] = -np.inf  # both sides saw only masked keys
         elif i == 1:
             s[:j] = -np.inf
-        empty.append(Case((s, _random_values(t, k), j), "masked keys on " + ("both sides" if i == 0 else "one side")))
-    empty.append(Case((np.array([0.5, 1.0]), np.array([1.0, 2.0]), 0), "one side empty (-inf, 0, 0)"))
+        else:
+            s[j:] = -np.inf
+        where = ("both sides", "the left side", "the right side")[i]
+        empty.append(Case((s, _random_values(t, k), j), "masked keys on " + where, names=MERGE_ARGS))
+    empty.append(Case((np.array([0.5, 1.0]), np.array([1.0, 2.0]), 0), "state_a empty (-inf, 0, 0)",
+                      names=MERGE_ARGS))
     t.compare("an empty or fully masked side", 1, student=online_merge, cases=empty, reference=ref, run=_merge_run,
               mutants=MERGE_MUTANTS, names=("m", "l", "u"))
 
 
-@LAB.question("q3", points=2, objects=("attend_in_blocks",))
+@LAB.question("q3", points=2, objects=("attend_in_blocks",), uses=("online_update",))
 def q3(t: Trial, attend_in_blocks) -> None:
     """attend_in_blocks(scores, values, block) gives the softmax-weighted average of values."""
-    cases = [Case((np.array([0, 0, LN3, LN3]), np.array([0.0, 0, 1, 1]), 2), "the scalar example (answer 0.75)")]
-    for _ in range(8):
+    cases = [
+        Case((np.array([0, 0, LN3, LN3]), np.array([0.0, 0, 1, 1]), 2), "the scalar example (answer 0.75)"),
+        Case((*SEPARATING, 2), "the second scalar example (answer 5/3)"),
+        Case((np.array([0, 0, LN3, LN3, 2.0]), np.array([0.0, 0, 1, 1, 4]), 2), "a ragged last block"),
+        Case((np.array([-1000.0, -1001.0, -999.5]), np.array([1.0, 2.0, 3.0]), 2), "every score near -1000"),
+    ]
+    k = int(t.rng.integers(2, 9))
+    cases.append(Case((t.rng.standard_normal(k) * 3, _random_values(t, k), 1), f"k={k}, block=1"))
+    for _ in range(5):
         k = int(t.rng.integers(2, 20))
         block = int(t.rng.integers(1, k + 1))
         if k % block == 0 and block > 1:
@@ -322,7 +541,7 @@ def q3(t: Trial, attend_in_blocks) -> None:
         return online.attend(s, v)
 
     t.compare("blocks of any size", 2, student=attend_in_blocks, cases=cases, reference=ref, mutants=ATTEND_MUTANTS,
-              names=("result",))
+              names=("result",), arg_names=("scores", "values", "block"))
 
 
 # ------------------------------------------------------------------------------ chapter 9: the known mistakes
@@ -338,6 +557,10 @@ def _update_demo() -> Demo:
         examples=[
             ("the scalar example: scores [0, 0, ln 3, ln 3], values [0, 0, 1, 1], two blocks of two",
              (np.array([0, 0, LN3, LN3]), np.array([0.0, 0, 1, 1]), [2])),
+            ("the second scalar example: scores [0, 0, ln 3, 0], values [0, 2, 2, 2], two blocks of two",
+             (*SEPARATING, [2])),
+            ("the max falls in the second block: scores [2, 0.5, -1, 0.3], values [1, -1, 2, 0.5], two blocks of two",
+             (np.array([2.0, 0.5, -1.0, 0.3]), np.array([1.0, -1.0, 2.0, 0.5]), [2])),
             ("logits near 1000: scores [998, 1000], values [0, 1], one score per block",
              (np.array([998.0, 1000.0]), np.array([0.0, 1.0]), [1])),
             ("a fully masked first block: scores [-inf, -inf, 0, ln 3], values [5, 5, 0, 1], two blocks of two",
@@ -354,10 +577,14 @@ def _merge_demo() -> Demo:
         examples=[
             ("the scalar example split in two: scores [0, 0 | ln 3, ln 3], values [0, 0 | 1, 1]",
              (np.array([0, 0, LN3, LN3]), np.array([0.0, 0, 1, 1]), 2)),
+            ("the second scalar example split in two: scores [0, 0 | ln 3, 0], values [0, 2 | 2, 2]",
+             (*SEPARATING, 2)),
             ("logits +-1000: scores [1000 | -1000], values [1 | 0]", (np.array([1000.0, -1000.0]), np.array([1.0, 0]),
                                                                      1)),
             ("both halves fully masked: scores [-inf | -inf]", (np.array([-np.inf, -np.inf]), np.array([1.0, 2.0]),
                                                                 1)),
+            ("one half fully masked: scores [-inf | 0.5], values [1 | 2]", (np.array([-np.inf, 0.5]),
+                                                                          np.array([1.0, 2.0]), 1)),
         ],
         run=lambda fn, args: _result_of(_merge_run(fn, Case(args))),
         right=lambda args: _result_of(_ref_state(args[0], args[1])),
@@ -371,6 +598,8 @@ def _attend_demo() -> Demo:
             ("the scalar example, block = 2", (np.array([0, 0, LN3, LN3]), np.array([0.0, 0, 1, 1]), 2)),
             ("a ragged last block: scores [0, 0, ln 3, ln 3, 2], values [0, 0, 1, 1, 4], block = 2",
              (np.array([0, 0, LN3, LN3, 2.0]), np.array([0.0, 0, 1, 1, 4]), 2)),
+            ("every score near -1000: scores [-1000, -1001, -999.5], values [1, 2, 3], block = 2",
+             (np.array([-1000.0, -1001.0, -999.5]), np.array([1.0, 2.0, 3.0]), 2)),
         ],
         right=lambda args: online.attend(args[0], args[1]),
         names=("result",),
