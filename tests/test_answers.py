@@ -253,7 +253,7 @@ def test_the_course_s_own_mutants_are_graded_but_its_answers_handed_in_are_not()
     r = run_question("lab01", "q3", [lab01._attend_drop_ragged], seed=9)  # calls online.attend: a course mistake
     assert 0 < r.score < r.max_score or "last ragged block is dropped" in r.feedback, r.feedback
     assert "calls " not in r.feedback
-    assert run_question("lab02", "q2", [lab02._switch()], seed=9).score == 6  # the switchable forward, all off
+    assert run_question("lab02", "q2", [lab02._switch()], seed=9).score == 7  # the switchable forward, all off
     r = run_question("lab04", "q1", [lab04._mutant_backward], seed=9)  # listed: handed in as it is, still an answer
     assert r.score == 0 and "calls flashlab.grading.lab04._mutant_backward " in r.feedback
     r = run_question("lab02", "q2", [tiled.forward], seed=9)

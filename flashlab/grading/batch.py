@@ -409,7 +409,7 @@ def _judge_outside(lab_id: str, seed: int, proc: subprocess.Popen, lines: _Lines
         except RuntimeError:  # numba.cuda already runs on a GPU in this process: mutants cannot be launched here
             pass
     lab = get_lab(lab_id)
-    names = list(dict.fromkeys(n for q in lab.questions.values() for n in q.objects))
+    names = list(dict.fromkeys(n for q in lab.questions.values() for n in (*q.objects, *q.uses)))
     session.deadline = end
     objects: dict[str, object] = {}
     # Functions the lab judges apart from the notebook (lab 05's kernel factory): their source runs alone, in a
@@ -441,13 +441,15 @@ def _run_questions(lab, lab_id: str, seed: int, session, names: list[str], objec
         return [{"name": q.name, "score": 0.0, "max_score": q.points, "feedback": why} for q in lab.questions.values()]
     question_time = max(5.0, min(60.0, timeout / 4))
     out = []
+    earlier: dict[str, core.Result] = {}  # a question that uses an earlier answer says when that one fails
     for q in lab.questions.values():
         session.deadline = min(time.monotonic() + question_time, end)
         for obj in apart.values():
             if getattr(obj, "session", None) is not None:
                 obj.session.deadline = session.deadline
         r = core.run_question(lab_id, q.name, [objects.get(n) for n in q.objects], seed=question_seed(seed, q.name),
-                              time_limit=question_time)
+                              time_limit=question_time, uses={n: objects.get(n) for n in q.uses}, earlier=earlier)
+        earlier[q.name] = r
         out.append(r.as_dict())
     return out
 
@@ -567,9 +569,12 @@ def _grade_here(client, nb, lab_id: str, timeout: float, seed: int) -> list[dict
     cell = nbformat.v4.new_code_cell(
         "import json as _fl_json\n"
         "from flashlab.grading.core import get_lab as _fl_get_lab, run_question as _fl_run\n"
-        f"_fl_results = [_fl_run({lab_id!r}, _q.name, [globals().get(_n) for _n in _q.objects],\n"
-        f"                       seed={seeds!r}[_q.name], time_limit={question_time!r})\n"
-        f"               for _q in _fl_get_lab({lab_id!r}).questions.values()]\n"
+        "_fl_earlier = {}\n"
+        f"for _q in _fl_get_lab({lab_id!r}).questions.values():\n"
+        f"    _fl_earlier[_q.name] = _fl_run({lab_id!r}, _q.name, [globals().get(_n) for _n in _q.objects],\n"
+        f"                                   seed={seeds!r}[_q.name], time_limit={question_time!r},\n"
+        "                                   uses={_n: globals().get(_n) for _n in _q.uses}, earlier=_fl_earlier)\n"
+        "_fl_results = list(_fl_earlier.values())\n"
         f"with open({result_file!r}, 'w') as _fl_file:\n"
         "    _fl_json.dump([r.as_dict() for r in _fl_results], _fl_file)\n"
     )

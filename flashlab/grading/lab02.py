@@ -22,6 +22,7 @@ LAB = Lab("lab02", "The tiled forward pass")
 # many rows is part of the forward's task (the notebook spells it out), so flashlab.online.update counts as its
 # answer too.
 _FORWARD_ANSWERS = ("flashlab.tiled.forward", "flashlab.reference.attention", "flashlab.numba_cpu.tiled_forward",
+                    "flashlab.numba_cpu.fast_forward",
                     "flashlab.numba_cuda.cuda_forward", "flashlab.cpu_bench.naive_attention",
                     "flashlab.online.update", "flashlab.gpu.decoding.decode_numpy",
                     "flashlab.grading.lab02._mutant_forward", "flashlab.grading.lab02._ref_forward")
