@@ -76,6 +76,9 @@ def compiler_problem() -> str | None:
     if gxx is None:
         return "no C++ compiler (g++) on the PATH"
     probe = header() + '\nextern "C" __global__ void probe(float* x) { x[threadIdx.x] = expf(0.f); }\n'
+    passed = _cached(probe, FLAGS, ".probe-ok")  # a probe once per compiler and header, not at every import
+    if passed.exists():
+        return None
     try:
         res = subprocess.run([gxx, *FLAGS, "-fsyntax-only", "-x", "c++", "-"], input=probe, capture_output=True,
                              text=True, timeout=COMPILE_TIMEOUT)
@@ -84,6 +87,7 @@ def compiler_problem() -> str | None:
     if res.returncode:
         first = next((line for line in res.stderr.splitlines() if "error" in line), res.stderr.strip()[:200])
         return f"{gxx} cannot compile the host version of CUDA (C++20 with <barrier>, GCC 11 or newer): {first}"
+    passed.touch()
     return None
 
 
@@ -215,7 +219,8 @@ def _hidden() -> list[pathlib.Path]:
     return [_CHECKOUT] if (_CHECKOUT / "solutions").is_dir() else []
 
 
-def _isolated(argv: Sequence[str], work: pathlib.Path, timeout: float, threads: int, file_size: int) -> tuple[int, bool]:
+def _isolated(argv: Sequence[str], work: pathlib.Path, timeout: float, threads: int,
+              file_size: int) -> tuple[int, bool]:
     """Run ``argv`` in ``work``, sandboxed when bwrap works here (limits alone otherwise): (returncode, timed out).
 
     The command's stdout and stderr are redirected to files by the command itself; the process is killed, with

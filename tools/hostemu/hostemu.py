@@ -3,20 +3,21 @@
 ``python tools/hostemu/hostemu.py [--real-forward] [pytest arguments]`` runs the GPU-marked tests (default: the
 backward and decoding tests) with the kernels compiled by the host C++ compiler instead of NVRTC, behind a NumPy
 stand-in for CuPy. ``--selfcheck [--quick]`` runs ``python -m flashlab selfcheck backward-decode`` the same way;
-``--forward-check`` runs the forward ladder's rung 9 (proven on an H200) against float64, which checks the
-emulation itself.
+``--forward-check`` runs the forward ladder's rung 9 (proven on an H200) against float64, which checks the emulation
+itself.
 
 How: each ``.cu`` is compiled with g++ (C++20) by :mod:`flashlab.hostcuda`, whose ``cuda_host.h`` maps CUDA to the
-host. The kernels (and that package) of this checkout are the ones run, whatever ``flashlab`` is installed. A thread block runs as one OS
-thread per CUDA thread, blocks one after another; ``__syncthreads`` is a block-wide ``std::barrier``; warp-level
-operations (``__shfl_xor_sync``, ``__any_sync``, ``ldmatrix`` x4 and x4.trans, ``mma.sync`` m16n8k16 with fp16 or
-bf16 inputs and fp32 accumulators) exchange values through per-warp buffers between two warp barriers;
-``cp.async`` copies at once; ``atomicAdd`` takes a lock; ``__shared__`` arrays are function statics and dynamic
-shared memory one arena. Device helpers written in inline PTX (conversions, ``ex2``, ldmatrix, cp.async, mma) are
-replaced by host versions of the same name; other inline PTX is refused with an error. Threads really run
-concurrently and lanes are not in lock step, so a missing barrier tends to show as a wrong result, but this is no
-race detector (use compute-sanitizer on a GPU) and says nothing about speed. By default the forward that the
-backward tests need is the float64 reference (fast); ``--real-forward`` emulates the forward kernel too.
+host. The kernels (and that package) of this checkout are the ones run, whatever ``flashlab`` is installed. A thread
+block runs as one OS thread per CUDA thread, blocks one after another; ``__syncthreads`` is a block-wide
+``std::barrier``; warp-level operations (``__shfl_xor_sync``, ``__any_sync``, ``ldmatrix`` x4 and x4.trans,
+``mma.sync`` m16n8k16 with fp16 or bf16 inputs and fp32 accumulators) exchange values through per-warp buffers
+between two warp barriers; ``cp.async`` copies at once; ``atomicAdd`` takes a lock; ``__shared__`` arrays are
+function statics and dynamic shared memory one arena. Device helpers written in inline PTX (conversions, ``ex2``,
+ldmatrix, cp.async, mma) are replaced by host versions of the same name; other inline PTX is refused with an error.
+Threads really run concurrently and lanes are not in lock step, so a missing barrier tends to show as a wrong
+result, but this is no race detector (use compute-sanitizer on a GPU) and says nothing about speed. By default the
+forward that the backward tests need is the float64 reference (fast); ``--real-forward`` emulates the forward kernel
+too.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ if __name__ == "__main__":  # the kernels, launchers and host CUDA of this check
     sys.path.insert(0, str(ROOT))
 
 from flashlab import hostcuda  # noqa: E402 - after the checkout is on the path
+
 # Each kernel file's conversion structs (PTX cvt and mma bodies): replaced by cuda_host.h's host versions, F16 by
 # HostF16 and BF16 by HostBF16.
 HOST_TYPES = ("F16", "BF16")
