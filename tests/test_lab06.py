@@ -188,7 +188,7 @@ SPECS: dict[str, dict[str, str]] = {
 }
 
 
-def _acc_step(kind: str, acc, l, l2, corr, p, vj, kj, v00):  # noqa: E741 - the kernel's names
+def _acc_step(kind: str, acc, l, l2, corr, p, vj, kj, v00):
     """acc after one key, as the variant's value loop computes it."""
     c, pc = corr[..., None], p[..., None]
     if kind == "plain":
@@ -221,7 +221,7 @@ def emulate(variant: str, case: lab06.Case) -> tuple[np.ndarray, np.ndarray]:
     if spec["scale"] == "twice":
         S = S * np.float32(case.scale)
     mx = np.full((B, n), -np.inf, np.float32)
-    l = np.zeros((B, n), np.float32)  # noqa: E741 - the kernel's name
+    l = np.zeros((B, n), np.float32)
     acc = np.zeros((B, n, d), np.float32)
     alive = np.ones((B, n), dtype=bool)  # rows whose thread has not returned
     with np.errstate(all="ignore"):
@@ -240,7 +240,7 @@ def emulate(variant: str, case: lab06.Case) -> tuple[np.ndarray, np.ndarray]:
                 alive &= ~masked
             keep = {"skip": ~masked, "none": np.ones_like(masked), "mx": mx != -np.inf, "return": alive,
                     "top_left": ~masked & ~(case.causal & (np.arange(n)[None, :] < j))}[spec["guard"]]
-            l = np.where(keep, l2, l).astype(np.float32)  # noqa: E741
+            l = np.where(keep, l2, l).astype(np.float32)
             acc = np.where(keep[..., None], acc2, acc).astype(np.float32)
             mx = np.where(keep, mx2, mx).astype(np.float32)
         inv = np.where(l > 0, np.float32(1) / np.where(l > 0, l, 1), 0).astype(np.float32)

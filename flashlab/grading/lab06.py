@@ -175,7 +175,7 @@ _ACC = "#pragma unroll\nfor (int c = 0; c < D; ++c) "
 
 
 def _update(guard: str = _GUARD, corr: str = "const float corr = expf(mx - mnew);",
-            p: str = "const float p = expf(s - mnew);", l: str = "l = l * corr + p;",  # noqa: E741 - the kernel's l
+            p: str = "const float p = expf(s - mnew);", l: str = "l = l * corr + p;",
             acc: str = "acc[c] = acc[c] * corr + p * vj[c];", mx: str = "mx = mnew;") -> str:
     """The solution's loop body (without its comments) with the given statements in place of its own."""
     return guard + _HEAD + "\n".join([corr, p, l, _ACC + acc, mx]).rstrip("\n")
@@ -661,22 +661,29 @@ def random_cases(t: Trial) -> dict[str, list[Case]]:
 
 def _host_runner(source: str, cases: list[Case]) -> Runner:
     """Runner on the CPU: the student's kernel on every case at once, in one isolated process (a crash or an endless
-    loop there becomes a failed launch), and, when a diagnosis first asks, every mutant on every case in another."""
+    loop there becomes a failed launch). The mutants run when a diagnosis first asks: every mutant on the cases the
+    student fails, in one process; a mutant's other cases (are they passed?) only when asked for, one process each."""
     student = _host_program(source)
     got = dict(zip(map(id, cases), hostcuda.run(student, [_host_launch("attn_lab", c) for c in cases],
                                                  timeout=RUN_TIMEOUT), strict=True))
     wrong: dict[tuple[str, int], object] = {}
+
+    def compute(jobs: list[tuple[str, Case]]) -> None:
+        names = tuple(f"attn_{mu.tag}_d{d}" for mu in MUTANTS for d in HEAD_DIMS)
+        outs = hostcuda.run(_host_program(mutant_source(), names, trusted=True),
+                            [_host_launch(prefix, c) for prefix, c in jobs], timeout=RUN_TIMEOUT)
+        wrong.update({(prefix, id(c)): out for (prefix, c), out in zip(jobs, outs, strict=True)})
 
     def run(prefix: str, case: Case):
         if prefix == "attn_lab":
             out = got[id(case)]
         else:
             if not wrong:
-                names = tuple(f"attn_{mu.tag}_d{d}" for mu in MUTANTS for d in HEAD_DIMS)
-                jobs = [(f"attn_{mu.tag}", c) for mu in MUTANTS for c in cases]
-                outs = hostcuda.run(_host_program(mutant_source(), names, trusted=True),
-                                    [_host_launch(prefix_, c) for prefix_, c in jobs], timeout=RUN_TIMEOUT)
-                wrong.update({(prefix_, id(c)): out for (prefix_, c), out in zip(jobs, outs, strict=True)})
+                failed = [c for c in cases if isinstance(got[id(c)], Exception) or not close(got[id(c)],
+                                                                                            _reference(c))]
+                compute([(f"attn_{mu.tag}", c) for mu in MUTANTS for c in failed or cases])
+            if (prefix, id(case)) not in wrong:
+                compute([(prefix, c) for c in cases if (prefix, id(c)) not in wrong])
             out = wrong[(prefix, id(case))]
         if isinstance(out, Exception):
             raise out
