@@ -4,10 +4,10 @@ The student's notebook holds the whole kernel as CUDA C in a Python string, ``KE
 loop body that folds one key into the row's state ``(mx, l, acc)``. Both questions grade that string:
 
 q1 (1 point) the source compiles and defines the three entry points ``attn_lab_d16/32/64``. On a GPU it is
-   compiled by CuPy (NVRTC), as it will run; on a CPU machine with ``nvcc`` by ``nvcc -cubin -arch=sm_75`` in a
-   temporary directory (syntax and type errors are caught there, with the compiler's line numbers, which count
-   from the ``KERNEL = r\"\"\"`` line of the cell).
-q2 (5 points, GPU only) the kernel is launched on fresh random shapes (ragged n, m != n, several batch entries,
+   compiled by CuPy (NVRTC), as it will run; without one by ``nvcc -cubin -arch=sm_75`` in a temporary directory
+   where nvcc is installed, else by g++ for the CPU (below). Compiler line numbers count from the
+   ``KERNEL = r\"\"\"`` line of the cell.
+q2 (5 points) the kernel is launched on fresh random shapes (ragged n, m != n, several batch entries,
    d in {16, 32, 64}), outputs poisoned with NaN first, and compared with :mod:`flashlab.reference` by the rule
    of CONTRIBUTING.md, Correctness, for fp32: ||out - ref|| / ||ref|| <= 1e-5 for O and for the finite entries
    of L, NaN nowhere, and a row that sees no key (causal, n > m) must give O = 0 and L = -inf. Three parts: random
@@ -15,15 +15,23 @@ q2 (5 points, GPU only) the kernel is launched on fresh random shapes (ragged n,
    and d in {16, 64}, so that the scores (up to about +-2000) are exact in fp32 and the test measures the
    overflow of exp alone, not fp32 rounding of large scores.
 
+Without a GPU, q2 runs the kernel on the CPU: :mod:`flashlab.hostcuda` compiles it with g++ against a host version
+of CUDA, each block's threads one after another, and runs every launch in one fresh process, inside the sandbox of
+:mod:`flashlab.grading.sandbox` where bwrap works (with limits alone otherwise), under a time limit: a kernel that
+loops forever, writes out of bounds or floods its output ends that process, never the grader, and the feedback
+says what happened. The compiler runs in the sandbox too (its messages could quote any file it can read). Same
+inputs, same rule, same diagnoses as on the GPU; what a CPU cannot show is races and speed.
+
 Diagnoses come from mutants: the same kernel with the classic wrong updates (:data:`MUTANTS`), compiled into one
 module and run on the failing inputs; the mutant whose outputs match the student's names the mistake.
 
-Points this machine cannot grade are not counted: ``max_score`` is 6 on a GPU, 1 on a CPU machine with nvcc
-(compile only) and 0 with neither, and the feedback says how many points need a GPU ("5 of 6 points need a GPU;
-not graded here"). A grade is then what was graded, never a zero for work nobody checked.
+Points this machine cannot grade are not counted: ``max_score`` is 6 with a GPU or g++, 1 with nvcc alone
+(compile only) and 0 with none of them, and the feedback says which points need what ("q2: 5 points need a GPU
+or a C++ compiler (g++); not graded here"). A grade is then what was graded, never a zero for work nobody checked.
 
-Helpers for the notebook: :func:`attention` launches a kernel source on NumPy arrays (GPU), :func:`compile_report`
-compiles one with nvcc and returns the registers per kernel, :func:`machine` says what this machine can grade.
+Helpers for the notebook: :func:`attention` launches a kernel source on NumPy arrays (GPU, or CPU with g++),
+:func:`can_run` says whether it can here, :func:`compile_report` compiles one with nvcc and returns the registers
+per kernel, :func:`machine` says what this machine can grade.
 """
 
 from __future__ import annotations
@@ -306,6 +314,11 @@ def _host_cc() -> bool:
     return hostcuda.compiler_problem() is None
 
 
+def can_run() -> bool:
+    """Whether :func:`attention` can run a kernel here: on the GPU, or on the CPU compiled with g++."""
+    return _has_gpu() or _host_cc()
+
+
 def _needs(question: str) -> str:
     """What question ``question`` needs that this machine lacks, in one line."""
     if question == "q1":
@@ -451,7 +464,8 @@ def _launch(source: str, prefix: str, case: Case) -> tuple[np.ndarray, np.ndarra
 def attention(source: str, Q, K, V, *, causal: bool = False, scale: float | None = None):
     """Launch the kernel in ``source`` (the notebook's KERNEL) on Q (n, d) or (B, n, d), K and V; return (O, L).
 
-    NumPy in, NumPy out (float32); d must be 16, 32 or 64. Needs a GPU with CuPy.
+    NumPy in, NumPy out (float32); d must be 16, 32 or 64. Runs on a GPU with CuPy, else on the CPU compiled with
+    g++ (in a separate process: a crash there raises :class:`flashlab.hostcuda.LaunchFailed`).
     """
     if not _has_gpu() and not _host_cc():
         raise RuntimeError("attention() runs the kernel on a GPU, or on the CPU with g++; neither is here")
