@@ -127,6 +127,7 @@ inline void warp_sync() {
     if (g_warp_bar.empty()) hostcuda_needs_threads("a warp-level operation");
     g_warp_bar[threadIdx.x / 32]->arrive_and_wait();
 }
+inline void __syncwarp(unsigned = 0xffffffffu) { warp_sync(); }
 inline bool __any_sync(unsigned, bool p) {
     const int w = threadIdx.x / 32, l = threadIdx.x % 32;
     g_xa[w][l][0] = p;
