@@ -805,6 +805,7 @@ def _mutants_demo() -> Demo:
     return Demo(
         examples=[("random, n = 3, m = 5, d = 16", (q, k, v, False)),
                   ("causal with n = 5 > m = 3: the first two rows see no key", (k, q, q, True)),
+                  ("causal with m = 5 > n = 3: row i sees the keys j <= i + 2", (q, k, v, True)),
                   ("integer Q and K: scores up to about +-2000", (*big, False))],
         run=lambda source, args: attention(source, *args[:3], causal=args[3]),
         right=lambda args: reference.attention(*(a.astype(np.float64) for a in args[:3]), causal=args[3],
