@@ -583,9 +583,16 @@ def _describe(case: Case, got) -> str:
 Runner = Callable[[str, Case], tuple]
 
 
-def _check_part(t: Trial, label: str, points: float, run: Runner, cases: list[Case]) -> bool:
-    """Run the student's kernel (``run("attn_lab", case)``) on ``cases``; on failure name the mutant that matches."""
+def _check_part(t: Trial, label: str, points: float, run: Runner, cases: list[Case],
+                passed: list | None = None) -> bool:
+    """Run the student's kernel (``run("attn_lab", case)``) on ``cases``; on failure name the mutant that matches.
+
+    A mutant that fails an input the student passes is not the student's mistake. ``passed``, shared by a
+    question's parts, collects the inputs passed in every part (the diagnosis runs after the last part): a mutant
+    that fails this part's inputs as the student does but also inputs of another part that the student passes (a
+    NaN everywhere where the student overflows only on huge logits) is not named."""
     failures, passes = [], []
+    passed = passes if passed is None else passed
     for case in cases:
         want = _reference(case)
         try:
@@ -594,6 +601,8 @@ def _check_part(t: Trial, label: str, points: float, run: Runner, cases: list[Ca
             failures.append((case, want, e))
             continue
         (failures if not close(got, want) else passes).append((case, want, got))
+    if passed is not passes:
+        passed.extend(passes)
     if not failures:
         return t.expect(f"{label} ({len(cases)} random inputs)", points, True)
 
@@ -610,7 +619,7 @@ def _check_part(t: Trial, label: str, points: float, run: Runner, cases: list[Ca
                     continue
                 hits += (not close(wrong, want)) and same(got, wrong)
             if hits:
-                for case, want, _ in passes:
+                for case, want, _ in passed:
                     try:
                         contradictions += not close(run(f"attn_{mu.tag}", case), want)
                     except Exception:  # noqa: BLE001
@@ -786,9 +795,10 @@ def q2(t: Trial, KERNEL):
         run = _host_runner(source, [c for part in cases.values() for c in part])
     else:
         return 0.0, _needs("q2")
-    _check_part(t, "random shapes: ragged n, m != n, n = 1, several blocks", 2, run, cases["plain"])
-    _check_part(t, "causal, including rows that see no key", 2, run, cases["causal"])
-    _check_part(t, "huge logits (scores up to about +-2000)", 1, run, cases["huge"])
+    passed: list = []  # filled by every part before any diagnosis runs (in t.result())
+    _check_part(t, "random shapes: ragged n, m != n, n = 1, several blocks", 2, run, cases["plain"], passed)
+    _check_part(t, "causal, including rows that see no key", 2, run, cases["causal"], passed)
+    _check_part(t, "huge logits (scores up to about +-2000)", 1, run, cases["huge"], passed)
     return None
 
 
