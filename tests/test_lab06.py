@@ -407,6 +407,32 @@ def test_cpu_mutant_is_diagnosed(cpu, mutant):
 
 
 @needs_gxx
+def test_cpu_each_mutant_alone_is_named_over_many_seeds():
+    """Over fresh inputs, each mutant graded as the student is named, and no other mistake is named beside it.
+
+    q2's parts and diagnosis, run on every variant's outputs for a seed at once (one launch of the mutants' module
+    per seed): a graded mutant's own kernel computes what its copy in that module does. ``python -m flashlab
+    mistakes --labs lab06 --seeds 40`` grades each one in full."""
+    names = tuple(f"attn_{mu.tag}_d{d}" for mu in lab06.MUTANTS for d in lab06.HEAD_DIMS)
+    module = hostcuda.program(lab06.mutant_source(), names, trusted=True)
+    parts = [("random shapes", 2, "plain"), ("causal", 2, "causal"), ("huge logits", 1, "huge")]
+    for seed in range(5):
+        cases = lab06.random_cases(Trial(seed))
+        flat = [c for part in cases.values() for c in part]
+        jobs = [(mu.tag, c) for mu in lab06.MUTANTS for c in flat]
+        outs = hostcuda.run(module, [lab06._host_launch(f"attn_{tag}", c) for tag, c in jobs], timeout=600)
+        table = {(tag, id(c)): out for (tag, c), out in zip(jobs, outs, strict=True)}
+        for mu in lab06.MUTANTS:
+            t, passed = Trial(seed), []
+            for label, points, key in parts:
+                lab06._check_part(t, label, points, lambda prefix, case, mu=mu, table=table: table[(
+                    mu.tag if prefix == "attn_lab" else prefix[len("attn_"):], id(case))], cases[key], passed)
+            r = t.result("q2", lab06.Q2_POINTS)
+            assert r.score < r.max_score and mu.message in r.feedback, (mu.tag, seed, r.feedback)
+            assert set(r.diagnoses) == {mistake_title(mu.message)}, (mu.tag, seed, r.diagnoses)
+
+
+@needs_gxx
 def test_cpu_emulation_agrees_with_the_host_compiled_kernels(rng):
     """The float32 emulation above describes what each variant's kernel computes, here compiled by g++."""
     t = Trial(int(rng.integers(2**31)))
