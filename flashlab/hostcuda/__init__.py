@@ -77,6 +77,8 @@ def compiler_problem() -> str | None:
     gxx = compiler()
     if gxx is None:
         return "no C++ compiler (g++) on the PATH"
+    if os.name != "posix":
+        return "the host version of CUDA runs on Linux and macOS only"
     probe = header() + '\nextern "C" __global__ void probe(float* x) { x[threadIdx.x] = expf(0.f); }\n'
     passed = _cached(probe, FLAGS, ".probe-ok")  # a probe once per compiler and header, not at every import
     if passed.exists():
