@@ -4,10 +4,10 @@ The student's notebook holds the whole kernel as CUDA C in a Python string, ``KE
 loop body that folds one key into the row's state ``(mx, l, acc)``. Both questions grade that string:
 
 q1 (1 point) the source compiles and defines the three entry points ``attn_lab_d16/32/64``. On a GPU it is
-   compiled by CuPy (NVRTC), as it will run; on a CPU machine with ``nvcc`` by ``nvcc -cubin -arch=sm_75`` in a
-   temporary directory (syntax and type errors are caught there, with the compiler's line numbers, which count
-   from the ``KERNEL = r\"\"\"`` line of the cell).
-q2 (5 points, GPU only) the kernel is launched on fresh random shapes (ragged n, m != n, several batch entries,
+   compiled by CuPy (NVRTC), as it will run; without one by ``nvcc -cubin -arch=sm_75`` in a temporary directory
+   where nvcc is installed, else by g++ for the CPU (below). Compiler line numbers count from the
+   ``KERNEL = r\"\"\"`` line of the cell.
+q2 (5 points) the kernel is launched on fresh random shapes (ragged n, m != n, several batch entries,
    d in {16, 32, 64}), outputs poisoned with NaN first, and compared with :mod:`flashlab.reference` by the rule
    of CONTRIBUTING.md, Correctness, for fp32: ||out - ref|| / ||ref|| <= 1e-5 for O and for the finite entries
    of L, NaN nowhere, and a row that sees no key (causal, n > m) must give O = 0 and L = -inf. Three parts: random
@@ -15,15 +15,23 @@ q2 (5 points, GPU only) the kernel is launched on fresh random shapes (ragged n,
    and d in {16, 64}, so that the scores (up to about +-2000) are exact in fp32 and the test measures the
    overflow of exp alone, not fp32 rounding of large scores.
 
+Without a GPU, q2 runs the kernel on the CPU: :mod:`flashlab.hostcuda` compiles it with g++ against a host version
+of CUDA, each block's threads one after another, and runs every launch in one fresh process, inside the sandbox of
+:mod:`flashlab.grading.sandbox` where bwrap works (with limits alone otherwise), under a time limit: a kernel that
+loops forever, writes out of bounds or floods its output ends that process, never the grader, and the feedback
+says what happened. The compiler runs in the sandbox too (its messages could quote any file it can read). Same
+inputs, same rule, same diagnoses as on the GPU; what a CPU cannot show is races and speed.
+
 Diagnoses come from mutants: the same kernel with the classic wrong updates (:data:`MUTANTS`), compiled into one
 module and run on the failing inputs; the mutant whose outputs match the student's names the mistake.
 
-Points this machine cannot grade are not counted: ``max_score`` is 6 on a GPU, 1 on a CPU machine with nvcc
-(compile only) and 0 with neither, and the feedback says how many points need a GPU ("5 of 6 points need a GPU;
-not graded here"). A grade is then what was graded, never a zero for work nobody checked.
+Points this machine cannot grade are not counted: ``max_score`` is 6 with a GPU or g++, 1 with nvcc alone
+(compile only) and 0 with none of them, and the feedback says which points need what ("q2: 5 points need a GPU
+or a C++ compiler (g++); not graded here"). A grade is then what was graded, never a zero for work nobody checked.
 
-Helpers for the notebook: :func:`attention` launches a kernel source on NumPy arrays (GPU), :func:`compile_report`
-compiles one with nvcc and returns the registers per kernel, :func:`machine` says what this machine can grade.
+Helpers for the notebook: :func:`attention` launches a kernel source on NumPy arrays (GPU, or CPU with g++),
+:func:`can_run` says whether it can here, :func:`compile_report` compiles one with nvcc and returns the registers
+per kernel, :func:`machine` says what this machine can grade.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from typing import Callable
 
 import numpy as np
 
-from .. import reference
+from .. import hostcuda, reference
 from ..gpu import gpu_available, parse_resource_usage
 from .core import Lab, NotImplementedYet, Trial, mistake_title
 from .known import Demo, KnownMistakes
@@ -56,6 +64,7 @@ THREADS = 128  # threads per block: one query row each
 TOLERANCE = 1e-5  # fp32 rule of CONTRIBUTING.md, Correctness; relative in the 2-norm
 MATCH = 1e-4  # a student's output "matches" a mutant's when they differ by less than this (relative)
 NVCC_ARCH = 75  # Colab's T4: the oldest GPU the course supports
+RUN_TIMEOUT = 30.0  # seconds for all of a question's launches on the CPU (they need well under one)
 Q1_POINTS, Q2_POINTS = 1, 5
 ENTRY_POINTS = tuple(f"attn_lab_d{d}" for d in HEAD_DIMS)
 # release.py's markers and stub comment, spelled out: release imports nbformat, which a GPU box may lack.
@@ -172,6 +181,13 @@ _GUARD = "if (s == NEG_INF) continue;\n"
 _HEAD = "const float mnew = fmaxf(mx, s);\n"
 _ACC = "#pragma unroll\nfor (int c = 0; c < D; ++c) "
 
+
+def _update(guard: str = _GUARD, corr: str = "const float corr = expf(mx - mnew);",
+            p: str = "const float p = expf(s - mnew);", l: str = "l = l * corr + p;",
+            acc: str = "acc[c] = acc[c] * corr + p * vj[c];", mx: str = "mx = mnew;") -> str:
+    """The solution's loop body (without its comments) with the given statements in place of its own."""
+    return guard + _HEAD + "\n".join([corr, p, l, _ACC + acc, mx]).rstrip("\n")
+
 MUTANTS: tuple[CudaMutant, ...] = (
     CudaMutant("no_rescale", _NO_RESCALE,
                _GUARD + _HEAD + "const float p = expf(s - mnew);\nl += p;\n"
@@ -202,6 +218,53 @@ MUTANTS: tuple[CudaMutant, ...] = (
     CudaMutant("divide_in_loop_only_new", _IN_LOOP,
                _GUARD + _HEAD + "const float corr = expf(mx - mnew);\nconst float p = expf(s - mnew);\n"
                "l = l * corr + p;\n" + _ACC + "acc[c] = (acc[c] * corr + p * vj[c]) / l;\nmx = mnew;"),
+    CudaMutant("v_for_vj", "reading v[c] for vj[c]: v is the start of the whole V array (batch entry 0, key 0), so "
+               "every row averages that one value row. Key j's value row is vj = vb + j * D: read vj[c].",
+               _update(acc="acc[c] = acc[c] * corr + p * v[c];")),
+    CudaMutant("k_for_vj", "reading kj[c] for vj[c]: the weights then average the key rows instead of the value "
+               "rows. Multiply p by key j's value row, vj[c].",
+               _update(acc="acc[c] = acc[c] * corr + p * kj[c];")),
+    CudaMutant("unweighted_value", "the value row is added without its weight: acc must gain p * vj[c], not vj[c] "
+               "(l sums the weights p, so O = acc / l needs the same weights in acc).",
+               _update(acc="acc[c] = acc[c] * corr + vj[c];")),
+    CudaMutant("short_value_loop", "the value loop stops one short: c < D - 1 leaves acc[D - 1], the last column "
+               "of O, at 0. Loop while c < D.",
+               _update().replace("c < D;", "c < D - 1;")),
+    CudaMutant("mx_not_updated", "mx is never updated (mx = mnew is missing): every key is then exponentiated "
+               "against its own score, every rescale multiplies by exp(-inf) = 0, so O is the last key's value row "
+               "and the logsumexp mx + log(l) stays -inf. End the update with mx = mnew.",
+               _update(mx="")),
+    CudaMutant("mx_is_s", "mx = s keeps the last score, not the running max: after a key below the max, the next "
+               "keys are weighted and rescaled against the wrong max. Keep mx = mnew = fmaxf(mx, s).",
+               _update(mx="mx = s;")),
+    CudaMutant("p_old_max", "the new key's weight uses the old max: p = exp(s - mx) must be exp(s - mnew), against "
+               "the max that acc and l are rescaled to (on the first key mx = -inf makes it exp(+inf) = inf).",
+               _update(p="const float p = expf(s - mx);")),
+    CudaMutant("p_without_max", "p = expf(s) while acc and l are rescaled against the running max: the sums then "
+               "mix terms taken against 0 and against mx (and expf(s) overflows for s > 88). Use p = expf(s - mnew).",
+               _update(p="const float p = expf(s);")),
+    CudaMutant("rescaled_after_adding", "the rescale also shrinks the new key: exp(mx - mnew) applies only to what "
+               "was summed against the old max. Write l = l * corr + p and acc[c] = acc[c] * corr + p * vj[c], "
+               "not (l + p) * corr.",
+               _update(l="l = (l + p) * corr;", acc="acc[c] = (acc[c] + p * vj[c]) * corr;")),
+    CudaMutant("ratio_of_exps", "exp(a - b) computed as expf(a) / expf(b): each factor overflows to inf once a "
+               "score passes about 88 (then inf / inf = NaN), which is what subtracting the max avoids. "
+               "Exponentiate the difference: expf(mx - mnew), expf(s - mnew).",
+               _update(corr="const float corr = expf(mx) / expf(mnew);", p="const float p = expf(s) / expf(mnew);")),
+    CudaMutant("scaled_twice", "the score is scaled twice: the template has already multiplied s by scale "
+               "(1/sqrt(d)) before the update; multiplying again computes softmax(Q K^T / d). Use s as it comes.",
+               _update(guard="s *= scale;\n" + _GUARD)),
+    CudaMutant("guard_on_mx", "the guard tests mx instead of s: mx starts at -inf, so every key is skipped and "
+               "every row gives O = 0, L = -inf. Skip a key when its own score s is -inf.",
+               _update(guard="if (mx == NEG_INF) continue;\n")),
+    CudaMutant("guard_returns", "return instead of continue on a masked key: the thread leaves the kernel before "
+               "it writes its row, so O and L keep their NaN in every row that has a masked key. continue skips "
+               "just that key.",
+               _update(guard="if (s == NEG_INF) return;\n")),
+    CudaMutant("masked_again", "masking again with j > i: the causal mask is aligned at the bottom right (query i "
+               "sees the keys j <= i + (m - n)) and the template has already set s = -inf for the keys it hides; "
+               "with m > n, j > i also hides keys the row must see. Drop your own mask.",
+               _update(guard="if (causal && j > i) continue;\n" + _GUARD)),
 )
 
 
@@ -246,25 +309,40 @@ def _nvcc() -> str | None:
     return shutil.which("nvcc")
 
 
+def _host_cc() -> bool:
+    """Whether g++ here compiles CUDA for the host (flashlab.hostcuda): then q2 runs the kernel on the CPU."""
+    return hostcuda.compiler_problem() is None
+
+
+def can_run() -> bool:
+    """Whether :func:`attention` can run a kernel here: on the GPU, or on the CPU compiled with g++."""
+    return _has_gpu() or _host_cc()
+
+
+def _needs(question: str) -> str:
+    """What question ``question`` needs that this machine lacks, in one line."""
+    if question == "q1":
+        return f"q1: {Q1_POINTS} point needs a GPU, nvcc or a C++ compiler (g++); not graded here."
+    why = hostcuda.compiler_problem()
+    extra = f" ({why})" if why and hostcuda.compiler() else ""
+    return f"q2: {Q2_POINTS} points need a GPU or a C++ compiler (g++){extra}; not graded here."
+
+
 def machine() -> str:
-    """One line: what this machine can grade in this lab."""
+    """One line: what this machine can grade in this lab, and how."""
     if _has_gpu():
         return "GPU found: both questions are graded here (compile with CuPy/NVRTC, then run on the GPU)."
+    cpu = ("q2 runs the kernel on the CPU (compiled with g++ against a host version of CUDA, one thread after "
+           "another; it shows wrong results, not races or speed)")
+    if _nvcc() and _host_cc():
+        return f"No GPU here: q1 (compiling) is graded with nvcc for sm_{NVCC_ARCH}; {cpu}."
+    if _host_cc():
+        return ("No GPU and no nvcc here: q1 compiles the kernel for the CPU with g++ (errors only the CUDA compiler "
+                f"makes show on a GPU or with nvcc); {cpu}.")
     if _nvcc():
-        return (f"No GPU here, but nvcc is: q1 (compiling) is graded with nvcc for sm_{NVCC_ARCH}; "
-                f"q2 needs a GPU ({Q2_POINTS} of {Q1_POINTS + Q2_POINTS} points; not graded here).")
-    return ("No GPU and no nvcc here: nothing in this lab can be graded on this machine "
-            f"({Q1_POINTS + Q2_POINTS} of {Q1_POINTS + Q2_POINTS} points need a GPU, or nvcc for the compile "
-            "check). Open the lab in Colab with a GPU runtime.")
-
-
-def _not_here(points: int) -> str:
-    total = Q1_POINTS + Q2_POINTS
-    if _nvcc():
-        return (f"{points} of {total} points need a GPU; not graded here (compile check by nvcc only). "
-                "Run the lab on a GPU, e.g. Colab with Runtime > Change runtime type > GPU.")
-    return (f"no GPU and no nvcc on this machine: {total} of {total} points need a GPU (or nvcc for the compile "
-            "check); not graded here.")
+        return f"No GPU here, but nvcc is: q1 (compiling) is graded with nvcc for sm_{NVCC_ARCH}. " + _needs("q2")
+    return ("No GPU, no nvcc and no C++ compiler here: nothing in this lab can be graded on this machine. "
+            + _needs("q1") + " " + _needs("q2") + " Open the lab in Colab, or install g++.")
 
 
 # --------------------------------------------------------------------------------------------- compiling
@@ -335,6 +413,22 @@ def _cupy_compile(source: str, names: tuple[str, ...]) -> None:
         raise MissingKernels(f"compiles, but these kernels are missing: {', '.join(missing)}")
 
 
+_UNDECLARED = re.compile(r"hostcuda-launchers\.cpp:\d+:\d+: error: \W(\w+)\W was not declared")
+
+
+def _host_program(source: str, names: tuple[str, ...] = ENTRY_POINTS, trusted: bool = False) -> hostcuda.Program:
+    """Compile ``source`` for the CPU (flashlab.hostcuda; sandboxed unless ``trusted``). Raises MissingKernels when
+    it defines only some of ``names``, hostcuda.CompileError with g++'s messages otherwise."""
+    try:
+        return hostcuda.program(source, names, trusted=trusted)
+    except hostcuda.CompileError as e:
+        missing = [name for name in dict.fromkeys(_UNDECLARED.findall(e.log)) if name in names]
+        own = [line for line in e.log.splitlines() if hostcuda.SOURCE_NAME in line and "error" in line]
+        if missing and not own:
+            raise MissingKernels(f"compiles, but these kernels are missing: {', '.join(missing)}") from e
+        raise
+
+
 # ---------------------------------------------------------------------------------------------- launching
 @dataclasses.dataclass
 class Case:
@@ -370,10 +464,11 @@ def _launch(source: str, prefix: str, case: Case) -> tuple[np.ndarray, np.ndarra
 def attention(source: str, Q, K, V, *, causal: bool = False, scale: float | None = None):
     """Launch the kernel in ``source`` (the notebook's KERNEL) on Q (n, d) or (B, n, d), K and V; return (O, L).
 
-    NumPy in, NumPy out (float32); d must be 16, 32 or 64. Needs a GPU with CuPy.
+    NumPy in, NumPy out (float32); d must be 16, 32 or 64. Runs on a GPU with CuPy, else on the CPU compiled with
+    g++ (in a separate process: a crash there raises :class:`flashlab.hostcuda.LaunchFailed`).
     """
-    if not _has_gpu():
-        raise RuntimeError("attention() runs the kernel on a GPU; none was found (CuPy and an NVIDIA GPU needed)")
+    if not _has_gpu() and not _host_cc():
+        raise RuntimeError("attention() runs the kernel on a GPU, or on the CPU with g++; neither is here")
     Q, K, V = (np.asarray(x, dtype=np.float32) for x in (Q, K, V))
     if not (Q.ndim == K.ndim == V.ndim and Q.ndim in (2, 3)):
         raise ValueError(f"Q, K, V must all be (n, d) or all (B, n, d); got {Q.shape}, {K.shape}, {V.shape}")
@@ -389,8 +484,25 @@ def attention(source: str, Q, K, V, *, causal: bool = False, scale: float | None
         raise ValueError(f"need n >= 1 and m >= 1; got n = {Q.shape[1]}, m = {K.shape[1]}")
     scale = 1.0 / math.sqrt(Q.shape[2]) if scale is None else float(scale)
     case = Case(Q, K, V, bool(causal), float(np.float32(scale)), "")
-    O, L = _launch(clean_source(source), "attn_lab", case)
+    if _has_gpu():
+        O, L = _launch(clean_source(source), "attn_lab", case)
+    else:
+        (result,) = hostcuda.run(_host_program(clean_source(source)), [_host_launch("attn_lab", case)],
+                                 timeout=RUN_TIMEOUT)
+        if isinstance(result, Exception):
+            raise result
+        O, L = result
     return (O[0], L[0]) if squeeze else (O, L)
+
+
+def _host_launch(prefix: str, case: Case) -> hostcuda.Launch:
+    """The launch of kernel ``<prefix>_d<d>`` on ``case`` for flashlab.hostcuda, as the GPU path launches it."""
+    B, n, m, d = case.shape
+    o = np.full((B, n, d), np.nan, dtype=np.float32)
+    lse = np.full((B, n), np.nan, dtype=np.float32)
+    args = (*(np.ascontiguousarray(x, dtype=np.float32) for x in (case.q, case.k, case.v)), o, lse, np.int32(n),
+            np.int32(m), np.float32(case.scale), np.int32(bool(case.causal)))
+    return hostcuda.Launch(f"{prefix}_d{d}", (math.ceil(n / THREADS), B), THREADS, args, outputs=(3, 4))
 
 
 def _reference(case: Case) -> tuple[np.ndarray, np.ndarray]:
@@ -401,8 +513,10 @@ def _reference(case: Case) -> tuple[np.ndarray, np.ndarray]:
 # -------------------------------------------------------------------------------------------- comparing
 def _rel(x: np.ndarray, y: np.ndarray) -> float:
     """||x - y|| / ||y|| over finite entries (absolute when y is all zeros)."""
-    diff = float(np.linalg.norm(x - y))
-    size = float(np.linalg.norm(y))
+    # Sums of squares, not np.linalg.norm: its BLAS threads make the many small norms of a diagnosis slow on a
+    # busy machine.
+    diff = math.sqrt(float(np.square(x - y).sum()))
+    size = math.sqrt(float(np.square(y).sum()))
     return diff / size if size > 0 else diff
 
 
@@ -469,9 +583,16 @@ def _describe(case: Case, got) -> str:
 Runner = Callable[[str, Case], tuple]
 
 
-def _check_part(t: Trial, label: str, points: float, run: Runner, cases: list[Case]) -> bool:
-    """Run the student's kernel (``run("attn_lab", case)``) on ``cases``; on failure name the mutant that matches."""
+def _check_part(t: Trial, label: str, points: float, run: Runner, cases: list[Case],
+                passed: list | None = None) -> bool:
+    """Run the student's kernel (``run("attn_lab", case)``) on ``cases``; on failure name the mutant that matches.
+
+    A mutant that fails an input the student passes is not the student's mistake. ``passed``, shared by a
+    question's parts, collects the inputs passed in every part (the diagnosis runs after the last part): a mutant
+    that fails this part's inputs as the student does but also inputs of another part that the student passes (a
+    NaN everywhere where the student overflows only on huge logits) is not named."""
     failures, passes = [], []
+    passed = passes if passed is None else passed
     for case in cases:
         want = _reference(case)
         try:
@@ -480,6 +601,8 @@ def _check_part(t: Trial, label: str, points: float, run: Runner, cases: list[Ca
             failures.append((case, want, e))
             continue
         (failures if not close(got, want) else passes).append((case, want, got))
+    if passed is not passes:
+        passed.extend(passes)
     if not failures:
         return t.expect(f"{label} ({len(cases)} random inputs)", points, True)
 
@@ -496,7 +619,7 @@ def _check_part(t: Trial, label: str, points: float, run: Runner, cases: list[Ca
                     continue
                 hits += (not close(wrong, want)) and same(got, wrong)
             if hits:
-                for case, want, _ in passes:
+                for case, want, _ in passed:
                     try:
                         contradictions += not close(run(f"attn_{mu.tag}", case), want)
                     except Exception:  # noqa: BLE001
@@ -559,6 +682,39 @@ def random_cases(t: Trial) -> dict[str, list[Case]]:
     return {"plain": plain, "causal": causal, "huge": huge}
 
 
+def _host_runner(source: str, cases: list[Case]) -> Runner:
+    """Runner on the CPU: the student's kernel on every case at once, in one isolated process (a crash or an endless
+    loop there becomes a failed launch). The mutants run when a diagnosis first asks: every mutant on the cases the
+    student fails, in one process; a mutant's other cases (are they passed?) only when asked for, one process each."""
+    student = _host_program(source)
+    got = dict(zip(map(id, cases), hostcuda.run(student, [_host_launch("attn_lab", c) for c in cases],
+                                                 timeout=RUN_TIMEOUT), strict=True))
+    wrong: dict[tuple[str, int], object] = {}
+
+    def compute(jobs: list[tuple[str, Case]]) -> None:
+        names = tuple(f"attn_{mu.tag}_d{d}" for mu in MUTANTS for d in HEAD_DIMS)
+        outs = hostcuda.run(_host_program(mutant_source(), names, trusted=True),
+                            [_host_launch(prefix, c) for prefix, c in jobs], timeout=RUN_TIMEOUT)
+        wrong.update({(prefix, id(c)): out for (prefix, c), out in zip(jobs, outs, strict=True)})
+
+    def run(prefix: str, case: Case):
+        if prefix == "attn_lab":
+            out = got[id(case)]
+        else:
+            if not wrong:
+                failed = [c for c in cases if isinstance(got[id(c)], Exception) or not close(got[id(c)],
+                                                                                            _reference(c))]
+                compute([(f"attn_{mu.tag}", c) for mu in MUTANTS for c in failed or cases])
+            if (prefix, id(case)) not in wrong:
+                compute([(prefix, c) for c in cases if (prefix, id(c)) not in wrong])
+            out = wrong[(prefix, id(case))]
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    return run
+
+
 def _gpu_runner(source: str) -> Runner:
     mutants = mutant_source()
 
@@ -574,9 +730,15 @@ def _compile_feedback(log: str) -> str:
             + _errors(log))
 
 
-@LAB.question("q1", points=Q1_POINTS if (_has_gpu() or _nvcc()) else 0, objects=("KERNEL",))
+def _q2_where() -> str:
+    """Where q2 runs, for q1's feedback on a machine without a GPU."""
+    return ("q2 runs the kernel on the CPU (g++)." if _host_cc() else _needs("q2"))
+
+
+@LAB.question("q1", points=Q1_POINTS if (_has_gpu() or _nvcc() or _host_cc()) else 0, objects=("KERNEL",))
 def q1(t: Trial, KERNEL):
-    """KERNEL compiles (CuPy/NVRTC on a GPU; nvcc for sm_75 without one) and defines attn_lab_d16/32/64."""
+    """KERNEL compiles (CuPy/NVRTC on a GPU; nvcc for sm_75, or g++ for the CPU, without one) and defines
+    attn_lab_d16/32/64."""
     source = _student(KERNEL)
     if _has_gpu():
         try:
@@ -586,37 +748,62 @@ def q1(t: Trial, KERNEL):
         except Exception as e:  # noqa: BLE001 - CompileException: the compiler's log is the feedback
             return 0.0, _compile_feedback(str(e))
         return float(Q1_POINTS), "compiles with NVRTC (CuPy) and defines " + ", ".join(ENTRY_POINTS)
-    if _nvcc() is None:
-        return 0.0, _not_here(Q1_POINTS + Q2_POINTS)
-    ok, log, usage = nvcc_compile(source)
-    if not ok:
-        return 0.0, _compile_feedback(log) + "\n" + _not_here(Q2_POINTS)
-    found = {u["kernel"] for u in usage}
-    missing = [name for name in ENTRY_POINTS if name not in found]
-    if missing:
-        return 0.0, f"compiles, but these kernels are missing: {', '.join(missing)}\n" + _not_here(Q2_POINTS)
-    regs = ", ".join(f"{u['kernel']} {u['registers']} registers" for u in usage if u["kernel"] in ENTRY_POINTS)
-    return float(Q1_POINTS), f"compiles with nvcc for sm_{NVCC_ARCH} ({regs}).\n" + _not_here(Q2_POINTS)
-
-
-@LAB.question("q2", points=Q2_POINTS if _has_gpu() else 0, objects=("KERNEL",))
-def q2(t: Trial, KERNEL):
-    """On the GPU: random shapes, causal with rows that see no key, and huge logits, against the reference."""
-    source = _student(KERNEL)
-    if not _has_gpu():
-        return 0.0, _not_here(Q2_POINTS)
+    if _nvcc() is not None:
+        ok, log, usage = nvcc_compile(source)
+        if not ok:
+            return 0.0, _compile_feedback(log) + "\n" + _q2_where()
+        found = {u["kernel"] for u in usage}
+        missing = [name for name in ENTRY_POINTS if name not in found]
+        if missing:
+            return 0.0, f"compiles, but these kernels are missing: {', '.join(missing)}\n" + _q2_where()
+        regs = ", ".join(f"{u['kernel']} {u['registers']} registers" for u in usage if u["kernel"] in ENTRY_POINTS)
+        return float(Q1_POINTS), f"compiles with nvcc for sm_{NVCC_ARCH} ({regs}).\n" + _q2_where()
+    if not _host_cc():
+        return 0.0, _needs("q1") + "\n" + _needs("q2")
     try:
-        _cupy_compile(source, ENTRY_POINTS)
+        _host_program(source)
     except MissingKernels as e:
-        return 0.0, f"cannot run: {e} (fix q1 first)"
-    except Exception as e:  # noqa: BLE001
-        return 0.0, "cannot run: " + _compile_feedback(str(e)) + "\n(fix q1 first)"
-    cases = random_cases(t)
-    run = _gpu_runner(source)
-    _check_part(t, "random shapes: ragged n, m != n, n = 1, several blocks", 2, run, cases["plain"])
-    _check_part(t, "causal, including rows that see no key", 2, run, cases["causal"])
-    _check_part(t, "huge logits (scores up to about +-2000)", 1, run, cases["huge"])
+        return 0.0, str(e)
+    except hostcuda.CompileError as e:
+        return 0.0, _compile_feedback(e.log)
+    return float(Q1_POINTS), ("compiles for the CPU with g++ and defines " + ", ".join(ENTRY_POINTS) + " (no nvcc "
+                              "here: an error only the CUDA compiler makes would show on a GPU or with nvcc).")
+
+
+@LAB.question("q2", points=Q2_POINTS if (_has_gpu() or _host_cc()) else 0, objects=("KERNEL",))
+def q2(t: Trial, KERNEL):
+    """Random shapes, causal with rows that see no key, and huge logits, against the reference: on the GPU, or on
+    the CPU (g++) without one."""
+    source = _student(KERNEL)
+    if _has_gpu():
+        try:
+            _cupy_compile(source, ENTRY_POINTS)
+        except MissingKernels as e:
+            return 0.0, f"cannot run: {e} (fix q1 first)"
+        except Exception as e:  # noqa: BLE001
+            return 0.0, "cannot run: " + _compile_feedback(str(e)) + "\n(fix q1 first)"
+        cases = random_cases(t)
+        run = _gpu_runner(source)
+    elif _host_cc():
+        try:
+            _host_program(source)
+        except MissingKernels as e:
+            return 0.0, f"cannot run: {e} (fix q1 first)"
+        except hostcuda.CompileError as e:
+            return 0.0, "cannot run: " + _compile_feedback(e.log) + "\n(fix q1 first)"
+        cases = random_cases(t)
+        run = _host_runner(source, [c for part in cases.values() for c in part])
+    else:
+        return 0.0, _needs("q2")
+    passed: list = []  # filled by every part before any diagnosis runs (in t.result())
+    _check_part(t, "random shapes: ragged n, m != n, n = 1, several blocks", 2, run, cases["plain"], passed)
+    _check_part(t, "causal, including rows that see no key", 2, run, cases["causal"], passed)
+    _check_part(t, "huge logits (scores up to about +-2000)", 1, run, cases["huge"], passed)
     return None
+
+
+#: Whether this lab's questions need a GPU here (flashlab.mistakes): not where g++ runs the kernels on the CPU.
+NEEDS_GPU = not (_has_gpu() or _host_cc())
 
 
 # ------------------------------------------------------------------------------ chapter 9: the known mistakes
@@ -628,6 +815,7 @@ def _mutants_demo() -> Demo:
     return Demo(
         examples=[("random, n = 3, m = 5, d = 16", (q, k, v, False)),
                   ("causal with n = 5 > m = 3: the first two rows see no key", (k, q, q, True)),
+                  ("causal with m = 5 > n = 3: row i sees the keys j <= i + 2", (q, k, v, True)),
                   ("integer Q and K: scores up to about +-2000", (*big, False))],
         run=lambda source, args: attention(source, *args[:3], causal=args[3]),
         right=lambda args: reference.attention(*(a.astype(np.float64) for a in args[:3]), causal=args[3],

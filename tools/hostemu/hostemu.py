@@ -3,33 +3,30 @@
 ``python tools/hostemu/hostemu.py [--real-forward] [pytest arguments]`` runs the GPU-marked tests (default: the
 backward and decoding tests) with the kernels compiled by the host C++ compiler instead of NVRTC, behind a NumPy
 stand-in for CuPy. ``--selfcheck [--quick]`` runs ``python -m flashlab selfcheck backward-decode`` the same way;
-``--forward-check`` runs the forward ladder's rung 9 (proven on an H200) against float64, which checks the
-emulation itself.
+``--forward-check`` runs the forward ladder's rung 9 (proven on an H200) against float64, which checks the emulation
+itself.
 
-How: each ``.cu`` is compiled with g++ (C++20) after ``cuda_host.h`` (beside this file) maps CUDA to the host. The
-kernels of this checkout are the ones run, whatever ``flashlab`` is installed. A thread block runs as one OS
-thread per CUDA thread, blocks one after another; ``__syncthreads`` is a block-wide ``std::barrier``; warp-level
-operations (``__shfl_xor_sync``, ``__any_sync``, ``ldmatrix`` x4 and x4.trans, ``mma.sync`` m16n8k16 with fp16 or
-bf16 inputs and fp32 accumulators) exchange values through per-warp buffers between two warp barriers;
-``cp.async`` copies at once; ``atomicAdd`` takes a lock; ``__shared__`` arrays are function statics and dynamic
-shared memory one arena. Device helpers written in inline PTX (conversions, ``ex2``, ldmatrix, cp.async, mma) are
-replaced by host versions of the same name; other inline PTX is refused with an error. Threads really run
-concurrently and lanes are not in lock step, so a missing barrier tends to show as a wrong result, but this is no
-race detector (use compute-sanitizer on a GPU) and says nothing about speed. By default the forward that the
-backward tests need is the float64 reference (fast); ``--real-forward`` emulates the forward kernel too.
+How: each ``.cu`` is compiled with g++ (C++20) by :mod:`flashlab.hostcuda`, whose ``cuda_host.h`` maps CUDA to the
+host. The kernels (and that package) of this checkout are the ones run, whatever ``flashlab`` is installed. A thread
+block runs as one OS thread per CUDA thread, blocks one after another; ``__syncthreads`` is a block-wide
+``std::barrier``; warp-level operations (``__shfl_xor_sync``, ``__any_sync``, ``ldmatrix`` x4 and x4.trans,
+``mma.sync`` m16n8k16 with fp16 or bf16 inputs and fp32 accumulators) exchange values through per-warp buffers
+between two warp barriers; ``cp.async`` copies at once; ``atomicAdd`` takes a lock; ``__shared__`` arrays are
+function statics and dynamic shared memory one arena. Device helpers written in inline PTX (conversions, ``ex2``,
+ldmatrix, cp.async, mma) are replaced by host versions of the same name; other inline PTX is refused with an error.
+Threads really run concurrently and lanes are not in lock step, so a missing barrier tends to show as a wrong
+result, but this is no race detector (use compute-sanitizer on a GPU) and says nothing about speed. By default the
+forward that the backward tests need is the float64 reference (fast); ``--real-forward`` emulates the forward kernel
+too.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import pathlib
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 import types
 
@@ -37,6 +34,11 @@ import numpy as np
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+if __name__ == "__main__":  # the kernels, launchers and host CUDA of this checkout, whatever else is installed
+    sys.path.insert(0, str(ROOT))
+
+from flashlab import hostcuda  # noqa: E402 - after the checkout is on the path
+
 # Each kernel file's conversion structs (PTX cvt and mma bodies): replaced by cuda_host.h's host versions, F16 by
 # HostF16 and BF16 by HostBF16.
 HOST_TYPES = ("F16", "BF16")
@@ -65,7 +67,8 @@ def _definition_span(src: str, start: int) -> tuple[int, int]:
 
 
 def host_source(cu_text: str) -> str:
-    """The .cu text made host C++: PTX conversion structs replaced, a launcher exported per ``extern "C"`` kernel."""
+    """The .cu text made host C++ (before :mod:`flashlab.hostcuda` adds its header): PTX conversion structs
+    replaced by the header's host versions, PTX helpers removed."""
     src = cu_text
     for name in HOST_TYPES:
         a, b = _definition_span(src, src.index(f"struct {name} {{"))
@@ -81,44 +84,17 @@ def host_source(cu_text: str) -> str:
         src = re.sub(pattern, repl, src)
     if "asm" in re.sub(r"//.*", "", src):
         raise ValueError("inline PTX the host emulation does not know is left in this kernel file")
-    names = _kernel_names(src)
-    if not names:
-        raise ValueError('no extern "C" __global__ kernel found in this kernel file')
-    exports = "\n".join(f'extern "C" void launch_{n}(unsigned gx, unsigned gy, unsigned gz, unsigned bx, void** a) '
-                        f"{{ launch({n}, gx, gy, gz, bx, a); }}" for n in names)
-    return (HERE / "cuda_host.h").read_text() + src + "\n" + exports + "\n"
-
-
-def _kernel_names(src: str) -> list[str]:
-    """Every ``extern "C" __global__`` kernel, read after the preprocessor has expanded the file's macros (the
-    files define their kernels through macros, one per dtype, d or row count)."""
-    cpp = shutil.which("g++")
-    if cpp is None:
-        raise RuntimeError("the host emulation needs g++ (C++20, with <barrier>)")
-    res = subprocess.run([cpp, "-E", "-P", "-x", "c++", "-D__launch_bounds__(...)=", "-"], input=src,
-                         capture_output=True, text=True)
-    if res.returncode:
-        raise RuntimeError(f"the preprocessor failed on a kernel file:\n{res.stderr[-4000:]}")
-    return list(dict.fromkeys(re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(', res.stdout)))
+    return src
 
 
 @functools.lru_cache(maxsize=None)
 def library(code: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """Compile one kernel file's text for the host (cached by hash in the temp directory) and load it."""
-    gxx = shutil.which("g++")
-    if gxx is None:
-        raise RuntimeError("the host emulation needs g++ (C++20, with <barrier>)")
+    """Compile one kernel file's text for the host (cached by hash) and load it: one launcher per kernel."""
     src = host_source(code)
-    tag = hashlib.sha256((src + repr(defines)).encode()).hexdigest()[:16]
-    out = pathlib.Path(tempfile.gettempdir()) / f"flashlab_hostemu_{tag}.so"
-    if not out.exists():
-        cpp = out.with_suffix(".cpp")
-        cpp.write_text(src)
-        res = subprocess.run([gxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", *defines, "-o", str(out),
-                              str(cpp)], capture_output=True, text=True)
-        if res.returncode:
-            raise RuntimeError(f"g++ failed:\n{res.stderr[-4000:]}")
-    return ctypes.CDLL(str(out))
+    names = hostcuda.kernel_names(src)
+    if not names:
+        raise ValueError('no extern "C" __global__ kernel found in this kernel file')
+    return hostcuda.library(src, tuple(names), defines)
 
 
 # ------------------------------------------------------------------------------------- a NumPy stand-in for CuPy
@@ -137,37 +113,12 @@ def _wrap(x):
     return x.view(ndarray) if isinstance(x, np.ndarray) and not isinstance(x, ndarray) else x
 
 
-class _Kernel:
-    def __init__(self, lib: ctypes.CDLL, name: str):
-        self.fn = getattr(lib, "launch_" + name)
-        self.max_dynamic_shared_size_bytes = 0
-
-    def __call__(self, grid, block, args, shared_mem=0):
-        grid = tuple(grid) + (1,) * (3 - len(grid))
-        values = []
-        for a in args:
-            if isinstance(a, np.ndarray):
-                if not a.flags.c_contiguous:
-                    raise ValueError("kernel arguments must be C-contiguous")
-                values.append(ctypes.c_void_p(a.ctypes.data))
-            elif isinstance(a, np.int32):
-                values.append(ctypes.c_int(int(a)))
-            elif isinstance(a, np.float32):
-                values.append(ctypes.c_float(float(a)))
-            elif isinstance(a, np.int64):
-                values.append(ctypes.c_longlong(int(a)))
-            else:
-                raise TypeError(f"unsupported kernel argument {type(a).__name__}")
-        ptrs = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
-        self.fn(*(ctypes.c_uint(int(g)) for g in grid), ctypes.c_uint(int(block[0])), ptrs)
-
-
 class _RawModule:
     def __init__(self, code: str, options=()):
         self.lib = library(code, tuple(o for o in options if o.startswith("-D")))
 
     def get_function(self, name):
-        return _Kernel(self.lib, name)
+        return hostcuda.Kernel(self.lib, name)
 
 
 class _Event:
@@ -302,5 +253,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.path.insert(0, str(ROOT))  # the kernels and launchers of this checkout, whatever else is installed
     raise SystemExit(main())

@@ -1,13 +1,18 @@
-// CUDA for the host: what the course's kernel files use of CUDA, mapped to C++20 threads so that g++ can compile
-// a .cu file and run its kernels on a CPU. tools/hostemu/hostemu.py puts this text in front of a kernel file's, after
-// removing the file's inline-PTX helpers in favour of the host versions below; see tools/hostemu/README.md.
+// CUDA for the host: what the course's kernels use of CUDA, mapped to C++20 so that g++ can compile a .cu file
+// and run its kernels on a CPU. flashlab/hostcuda (this header's package) puts this text in front of a kernel's and
+// exports a launcher per kernel; tools/hostemu/README.md says what it emulates and what it cannot.
 //
 // A thread block runs as one std::thread per CUDA thread, blocks one after another; __syncthreads is a block-wide
-// std::barrier; warp-level operations exchange values through per-warp buffers between two warp barriers.
+// std::barrier; warp-level operations exchange values through per-warp buffers between two warp barriers. Built
+// with -DHOSTCUDA_SERIAL, a block's threads run one after another on the calling thread instead: much faster, for
+// kernels whose threads never wait for each other (a barrier or warp operation then stops the program with a message).
 #include <algorithm>
 #include <barrier>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -15,6 +20,9 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+using std::isfinite;
+using std::isinf;
+using std::isnan;
 using std::max;
 using std::min;
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
@@ -22,6 +30,8 @@ inline thread_local dim3 threadIdx;
 inline dim3 blockIdx, gridDim, blockDim;
 #define __global__
 #define __device__
+#define __host__
+#define __noinline__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __restrict__
@@ -32,11 +42,38 @@ struct alignas(16) float4 { float x, y, z, w; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
+// The fast-math intrinsics, computed exactly here (the GPU's are a few ulp off; graders allow for fp32 rounding).
+inline float __expf(float x) { return std::exp(x); }
+inline float __exp10f(float x) { return std::pow(10.f, x); }
+inline float __logf(float x) { return std::log(x); }
+inline float __powf(float x, float y) { return std::pow(x, y); }
+inline float __fdividef(float x, float y) { return x / y; }
+inline float __frcp_rn(float x) { return 1.f / x; }
+inline float __fadd_rn(float x, float y) { return x + y; }
+inline float __fmul_rn(float x, float y) { return x * y; }
+inline float __fmaf_rn(float x, float y, float z) { return std::fma(x, y, z); }
+inline float __saturatef(float x) { return x < 0.f ? 0.f : (x > 1.f ? 1.f : x); }
+inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+template <class T>
+inline T __ldg(const T* p) { return *p; }
+inline void __threadfence() {}
+constexpr int warpSize = 32;
 inline std::barrier<>* g_block_bar;
 inline std::vector<std::unique_ptr<std::barrier<>>> g_warp_bar;
 inline float g_shfl[32][32];
-inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
+[[noreturn]] inline void hostcuda_needs_threads(const char* what) {
+    std::fprintf(stderr, "%s: this kernel was launched one thread after another (HOSTCUDA_SERIAL), where threads "
+                 "cannot wait for each other\n", what);
+    std::abort();
+}
+inline void __syncthreads() {
+    if (!g_block_bar) hostcuda_needs_threads("__syncthreads");
+    g_block_bar->arrive_and_wait();
+}
 inline float __shfl_xor_sync(unsigned, float x, int o) {
+    if (g_warp_bar.empty()) hostcuda_needs_threads("__shfl_xor_sync");
     const int w = threadIdx.x / 32, l = threadIdx.x % 32;
     g_shfl[w][l] = x;
     g_warp_bar[w]->arrive_and_wait();
@@ -51,8 +88,33 @@ inline float atomicAdd(float* p, float v) {
     *p = o + v;
     return o;
 }
-inline std::uint16_t f16_bits(float f) { _Float16 h = (_Float16)f; std::uint16_t x; std::memcpy(&x, &h, 2); return x; }
-inline float f16_val(std::uint16_t x) { _Float16 h; std::memcpy(&h, &x, 2); return (float)h; }
+// fp16 conversions in integer arithmetic, rounding to nearest even as cvt.rn.f16.f32 does (g++ before 12 has no
+// _Float16 in C++ on x86).
+inline std::uint16_t f16_bits(float f) {
+    unsigned x; std::memcpy(&x, &f, 4);
+    const unsigned sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return (std::uint16_t)(sign | 0x7e00u);     // NaN
+    if (ax >= 0x477ff000u) return (std::uint16_t)(sign | 0x7c00u);    // 65520 and above round to inf
+    if (ax < 0x38800000u) {                                            // below 2^-14: a subnormal half, units 2^-24
+        float a; std::memcpy(&a, &ax, 4);
+        return (std::uint16_t)(sign | (unsigned)std::nearbyint(a * 16777216.f));
+    }
+    const unsigned r = ax - 0x38000000u;                              // exponent bias 127 -> 15
+    return (std::uint16_t)(sign | ((r + 0xfffu + ((r >> 13) & 1u)) >> 13));
+}
+inline float f16_val(std::uint16_t h) {
+    const unsigned sign = (unsigned)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    unsigned x;
+    if (e == 0) {
+        const float a = (float)m * (1.f / 16777216.f);                 // exact: m < 2^10
+        std::memcpy(&x, &a, 4);
+    } else {
+        x = (e == 31 ? 0x7f800000u : (e + 112) << 23) | (m << 13);
+    }
+    x |= sign;
+    float f; std::memcpy(&f, &x, 4);
+    return f;
+}
 inline std::uint16_t bf16_bits(float f) {
     unsigned u; std::memcpy(&u, &f, 4);
     if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
@@ -61,7 +123,11 @@ inline std::uint16_t bf16_bits(float f) {
 // --- warp-level PTX of the tensor-core kernels: ldmatrix, mma.sync m16n8k16, cp.async, vote
 alignas(16) inline unsigned char g_arena[232448];  // dynamic shared memory ("extern __shared__")
 inline unsigned g_xa[32][32][4], g_xb[32][32][2];
-inline void warp_sync() { g_warp_bar[threadIdx.x / 32]->arrive_and_wait(); }
+inline void warp_sync() {
+    if (g_warp_bar.empty()) hostcuda_needs_threads("a warp-level operation");
+    g_warp_bar[threadIdx.x / 32]->arrive_and_wait();
+}
+inline void __syncwarp(unsigned = 0xffffffffu) { warp_sync(); }
 inline bool __any_sync(unsigned, bool p) {
     const int w = threadIdx.x / 32, l = threadIdx.x % 32;
     g_xa[w][l][0] = p;
@@ -148,6 +214,8 @@ void call_unpacked(void (*k)(A...), void** args, std::index_sequence<I...>) {
     k(*(std::remove_cv_t<std::remove_reference_t<A>>*)args[I]...);
 }
 template <class... A>
+constexpr unsigned arity(void (*)(A...)) { return sizeof...(A); }
+template <class... A>
 void launch(void (*k)(A...), unsigned gx, unsigned gy, unsigned gz, unsigned bx, void** args) {
     gridDim = dim3{gx, gy, gz};
     blockDim = dim3{bx, 1, 1};
@@ -155,6 +223,12 @@ void launch(void (*k)(A...), unsigned gx, unsigned gy, unsigned gz, unsigned bx,
         for (unsigned y = 0; y < gy; ++y)
             for (unsigned x = 0; x < gx; ++x) {
                 blockIdx = dim3{x, y, z};
+#ifdef HOSTCUDA_SERIAL
+                for (unsigned t = 0; t < bx; ++t) {
+                    threadIdx = dim3{t, 0, 0};
+                    call_unpacked(k, args, std::index_sequence_for<A...>{});
+                }
+#else
                 std::barrier<> bar(bx);
                 g_block_bar = &bar;
                 g_warp_bar.clear();
@@ -164,7 +238,11 @@ void launch(void (*k)(A...), unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                     ts.emplace_back([=] {
                         threadIdx = dim3{t, 0, 0};
                         call_unpacked(k, args, std::index_sequence_for<A...>{});
+                        // An exited thread no longer holds back a barrier, as on the GPU.
+                        g_block_bar->arrive_and_drop();
+                        g_warp_bar[t / 32]->arrive_and_drop();
                     });
                 for (auto& th : ts) th.join();
+#endif
             }
 }
