@@ -767,8 +767,10 @@ def overview() -> str:
     lines = []
     for lab_id in labs():
         found = catalogue([lab_id])
-        where = ("a GPU" if needs_gpu(lab_id) else "the CUDA simulator (CPU)" if needs_simulator(lab_id)
-                 else "NumPy (CPU)")
+        from .grading import batch
+
+        where = ("a GPU" if needs_gpu(lab_id) else "a GPU, or the CPU through g++" if lab_id in batch.GPU_LABS
+                 else "the CUDA simulator (CPU)" if needs_simulator(lab_id) else "NumPy (CPU)")
         per_q = ", ".join(f"{q}: {sum(m.question == q for m in found)}" for q in get_lab(lab_id).questions)
         lines.append(f"{lab_id}  {get_lab(lab_id).title:<40} {len(found):>2} mistakes ({per_q}); runs on {where}")
     return "\n".join(lines)
