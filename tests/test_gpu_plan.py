@@ -33,6 +33,14 @@ def _fits(lim: fgpu.DeviceLimits, min_cc: int, shared: int, threads: int) -> boo
             and threads * fgpu.MAX_REGISTERS_PER_THREAD <= lim.regs_per_block)
 
 
+def _rung(name: str) -> fgpu.Rung:
+    return fgpu.RUNGS.get(name) or fgpu.PLANNED_VARIANTS[name]
+
+
+def _spills(rung: fgpu.Rung, d: int, lim: fgpu.DeviceLimits) -> bool:
+    return fgpu.compiled_arch(lim.cc) in fgpu.SPILLS.get((rung.file, rung.defines, d), ())
+
+
 # ------------------------------------------------------------------------------------------ the planners alone
 @pytest.mark.parametrize("lim", DEVICES, ids=lambda lim: lim.name)
 @pytest.mark.parametrize("dt", ["f32", "f16", "bf16"])
@@ -40,26 +48,34 @@ def _fits(lim: fgpu.DeviceLimits, min_cc: int, shared: int, threads: int) -> boo
 @pytest.mark.parametrize("positive_scale", [True, False])
 def test_forward_takes_the_first_rung_of_the_order_that_runs(lim, dt, d, positive_scale):
     p = fgpu._forward_plan(dt, d, positive_scale, "best", lim)
-    rung = fgpu.RUNGS[p.kernel]
-    assert dt in rung.dtypes and _fits(lim, rung.min_cc, rung.shared_bytes(d), rung.threads)
-    assert positive_scale or p.kernel not in fgpu.POSITIVE_SCALE_ONLY
+    rung = _rung(p.kernel)
+    assert p.spec == rung and dt in rung.dtypes and _fits(lim, rung.min_cc, rung.shared_bytes(d), rung.threads)
+    assert not _spills(rung, d, lim)
+    needs_positive = {fgpu.RUNGS[name].file for name in fgpu.POSITIVE_SCALE_ONLY}
+    assert positive_scale or rung.file not in needs_positive
     order = list(dict.fromkeys((fgpu.BEST[(dt, d)], *fgpu.LADDER_ORDER)))
     passed = order[:order.index(p.kernel)]
     assert [name for name, _ in p.passed_over] == passed
     for name, why in p.passed_over:
-        r = fgpu.RUNGS[name]
-        assert (dt not in r.dtypes or not _fits(lim, r.min_cc, r.shared_bytes(d), r.threads)
-                or (not positive_scale and name in fgpu.POSITIVE_SCALE_ONLY)), (name, why)
-        assert "supports" in why or "scale > 0" in why or any(s in why for s in LIMIT_NAMES), why
+        r = _rung(name)
+        assert (dt not in r.dtypes or not _fits(lim, r.min_cc, r.shared_bytes(d), r.threads) or _spills(r, d, lim)
+                or (not positive_scale and r.file in needs_positive)), (name, why)
+        assert ("supports" in why or "scale > 0" in why or "spills registers" in why
+                or any(s in why for s in LIMIT_NAMES)), why
     assert p.kernel in p.reason and str(lim.cc) in str(p)
 
 
 def test_each_gpu_gets_its_fastest_forward():
     for lim in DEVICES:
-        fp16 = fgpu._forward_plan("f16", 128, True, "best", lim).kernel
-        bf16 = fgpu._forward_plan("bf16", 128, True, "best", lim).kernel
-        assert (fp16, bf16) == (("turing", "smem_tiles") if lim.cc < 80 else ("addressing", "addressing")), lim
-        assert fgpu._forward_plan("f32", 64, True, "best", lim).kernel == "smem_tiles"
+        for d in fgpu.HEAD_DIMS:
+            fp16 = fgpu._forward_plan("f16", d, True, "best", lim).kernel
+            bf16 = fgpu._forward_plan("bf16", d, True, "best", lim).kernel
+            rung9 = "addressing_c32" if d == 128 and lim.cc in (80, 86, 89) else "addressing"  # where rung 9 spills
+            assert (fp16, bf16) == (("turing", "smem_tiles") if lim.cc < 80 else (rung9, rung9)), (lim, d)
+            assert fgpu._forward_plan("f32", d, True, "best", lim).kernel == "smem_tiles"
+    a100 = fgpu._forward_plan("f16", 128, True, "best", A100)
+    assert a100.passed_over[0][0] == "addressing" and "spills registers at d = 128 on sm_80" in a100.passed_over[0][1]
+    assert fgpu._forward_plan("f16", 128, True, "addressing", A100).kernel == "addressing"  # asked for: it runs
     assert fgpu.RUNGS["turing"].shared_bytes(128) <= T4.smem_per_block  # the T4's tensor-core rung fits it
 
 

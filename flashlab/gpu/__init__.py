@@ -111,8 +111,17 @@ BEST = {("f32", 64): "smem_tiles", ("f32", 128): "smem_tiles",
 POSITIVE_SCALE_ONLY = {"lean": "warp32", "addressing": "warp32"}
 # What "best" tries after BEST's rung, fastest first: the ladder's order in data/benchmarks/ladder.json. "turing",
 # not timed there, comes after every sm_80 rung (it is chosen where they cannot run: sm_75); then the scalar rungs.
-LADDER_ORDER = ("addressing", "lean", "warp32", "exp2_tiles", "cp_async", "ldmatrix", "mma", "turing",
-                "smem_tiles", "scalar")
+# "addressing_c32" (below) stands in for rung 9 where rung 9 spills.
+LADDER_ORDER = ("addressing", "addressing_c32", "lean", "warp32", "exp2_tiles", "cp_async", "ldmatrix", "mma",
+                "turing", "smem_tiles", "scalar")
+# The architectures the kernels are compiled for in the tests (tests/test_kernels_compile.py), each kernel for those
+# of them at or above its min_cc: T4, A100, A10 / RTX 30x0, RTX 40x0, H100 / H200.
+COMPILED_ARCHS = (75, 80, 86, 89, 90)
+# Register spills that nvcc 13 reports (--resource-usage): (file, defines, d) -> the architectures where that
+# kernel spills. tests/test_kernels_compile.py compiles every kernel for every architecture it claims and fails
+# when this table and the compiler disagree. Rungs 8 and 9 at d = 128 keep 64-key tiles in 255 registers on sm_90;
+# sm_80-89 need a few more, so the plan passes them over there.
+SPILLS = {("r8_lean_softmax.cu", (), 128): (80, 86, 89), ("r9_addressing.cu", (), 128): (80, 86, 89)}
 
 
 def rung6_variant(nwarps: int, bc: int) -> Rung:
@@ -130,6 +139,17 @@ def rung7_variant(nwarps: int, bc64: int, bc128: int = 32, base: str = "warp32")
     return dataclasses.replace(base_rung, name=f"{base}_w{nwarps}_c{bc64}_{bc128}", block_rows=rows,
                                threads=32 * nwarps, smem_per_d=((rows + 4 * bc64) * 2, (rows + 4 * bc128) * 2),
                                defines=(f"-DNWARPS={nwarps}", f"-DBC_D64={bc64}", f"-DBC_D128={bc128}"))
+
+
+# Rung 9 with 32-key tiles at d = 128 (231 registers on sm_80, no spill): "best" on the GPUs where rung 9 spills.
+PLANNED_VARIANTS = {"addressing_c32": dataclasses.replace(rung7_variant(4, 64, 32, base="addressing"),
+                                                          name="addressing_c32")}
+
+
+def compiled_arch(cc: int) -> int:
+    """The architecture of COMPILED_ARCHS whose compiler results stand for compute capability ``cc`` (the highest
+    at or below it: sm_87 is judged by sm_86, sm_100 by sm_90)."""
+    return max((a for a in COMPILED_ARCHS if a <= cc), default=cc)
 
 
 def gpu_available() -> bool:
@@ -315,11 +335,12 @@ def launch_problem(what: str, *, min_cc: int, shared_bytes: int, threads: int, l
 
 
 def choose(op: str, candidates, problem, requested: str, lim: DeviceLimits, default: str = "best"):
-    """The first of ``candidates`` (name -> spec, fastest first) that ``problem(name, spec)`` (a reason or None)
-    lets run, as ``(name, spec, passed_over)``; ``requested`` names one kernel or is ``default``. Raises
-    ValueError naming every limit when nothing runs."""
+    """The first of ``candidates`` (name -> spec, fastest first) that ``problem(name, spec, best)`` (a reason or
+    None; ``best``: judged for the default choice, which also avoids what only slows a kernel down) lets run, as
+    ``(name, spec, passed_over)``; ``requested`` names one kernel or is ``default``. Raises ValueError naming
+    every limit when nothing runs."""
     if requested != default:
-        reason = problem(requested, candidates[requested])
+        reason = problem(requested, candidates[requested], False)
         if reason is not None:
             try:
                 other = f"; {default!r} would choose {choose(op, candidates, problem, default, lim, default)[0]!r}"
@@ -329,7 +350,7 @@ def choose(op: str, candidates, problem, requested: str, lim: DeviceLimits, defa
         return requested, candidates[requested], ()
     passed = []
     for name, spec in candidates.items():
-        reason = problem(name, spec)
+        reason = problem(name, spec, True)
         if reason is None:
             return name, spec, tuple(passed)
         passed.append((name, reason))
@@ -474,13 +495,19 @@ def _check_half_launch(what: str, dt: str, arrays: dict[str, Any]) -> None:
             raise ValueError(f"{name} must start on a 16-byte boundary (the kernel loads 16 bytes at a time)")
 
 
-def forward_problem(rung: Rung, dt: str, d: int, positive_scale: bool, lim: DeviceLimits) -> str | None:
-    """Why ``rung`` cannot run a forward of dtype ``dt`` at head dimension ``d`` on ``lim`` (None: it can)."""
+def forward_problem(rung: Rung, dt: str, d: int, positive_scale: bool, lim: DeviceLimits,
+                    avoid_spills: bool = True) -> str | None:
+    """Why ``rung`` cannot run a forward of dtype ``dt`` at head dimension ``d`` on ``lim`` (None: it can);
+    ``avoid_spills``: a kernel that spills registers on this architecture (``SPILLS``) counts as one that cannot
+    (kernel="best" avoids it; a kernel asked for by name runs, spills and all)."""
     if dt not in rung.dtypes:
         return f"supports {', '.join(rung.dtypes)}, not {dt}"
     problem = launch_problem(f" at d = {d}", min_cc=rung.min_cc, shared_bytes=rung.shared_bytes(d),
                              threads=rung.threads, lim=lim)
-    if problem is None and not positive_scale and rung.name in POSITIVE_SCALE_ONLY:
+    if problem is None and avoid_spills and compiled_arch(lim.cc) in SPILLS.get((rung.file, rung.defines, d), ()):
+        problem = (f"spills registers at d = {d} on sm_{compiled_arch(lim.cc)} (more than the "
+                   f"{MAX_REGISTERS_PER_THREAD} registers a thread may hold; flashlab.gpu.SPILLS)")
+    if problem is None and not positive_scale and rung.file in {RUNGS[n].file for n in POSITIVE_SCALE_ONLY}:
         return "needs scale > 0 (it keeps the max of unscaled scores)"
     return problem
 
@@ -494,9 +521,10 @@ def _forward_plan(dt: str, d: int, positive_scale: bool, kernel: str | Rung, lim
         if kernel != "best" and kernel not in RUNGS:
             raise ValueError(f"unknown kernel {kernel!r}; choose 'best' or one of {sorted(RUNGS)}")
         order = dict.fromkeys((BEST[(dt, d)], *LADDER_ORDER))
-        candidates, requested = {name: RUNGS[name] for name in order}, kernel
+        candidates, requested = {name: RUNGS.get(name) or PLANNED_VARIANTS[name] for name in order}, kernel
     name, rung, passed = choose("forward", candidates,
-                                lambda _, r: forward_problem(r, dt, d, positive_scale, lim), requested, lim)
+                                lambda _, r, best: forward_problem(r, dt, d, positive_scale, lim, best), requested,
+                                lim)
     return Plan("forward", name, rung.file, rung.shared_bytes(d), rung.threads, lim, passed, rung)
 
 

@@ -86,7 +86,7 @@ def _backward_plan(d: int, kernel: str, lim: DeviceLimits) -> Plan:
         raise ValueError(f"kernel must be one of {KERNELS} or 'best'; got {kernel!r}")
     candidates = {name: MAIN_KERNELS[name] for name in FASTEST_FIRST}
 
-    def problem(_, mk: MainKernel) -> str | None:
+    def problem(_, mk: MainKernel, best: bool) -> str | None:
         return launch_problem(f" at d = {d}", min_cc=mk.min_cc, shared_bytes=mk.shared_bytes(d), threads=mk.threads,
                               lim=lim)
 
