@@ -224,3 +224,17 @@ def test_backward_on_a_99_kb_card_launches_mma_at_d128(gpu_like):
     assert [f for f, _, _ in launches] == [gbwd.KERNEL_FILE, gbwd.MMA_FILE, gbwd.KERNEL_FILE]
     with pytest.raises(ValueError, match=r"115,200 B .*this GPU allows 101,376 B \(MaxSharedMemoryPerBlockOptin\)"):
         fgpu.attention_backward(q, k, v, o, lse, do, kernel="pipe")
+
+
+def test_selfcheck_skips_what_the_gpu_cannot_run_and_says_why(gpu_like, capsys):
+    from flashlab.gpu import selfcheck
+
+    launches = gpu_like(T4)
+    assert selfcheck.forward(["addressing", "exp2_tiles"]) == 0 and selfcheck.backward_and_decode(quick=True) == 0
+    out = capsys.readouterr().out
+    assert out.count("skipped: needs sm_80 or newer") == 2 * 2 * len(fgpu.HEAD_DIMS) and not launches
+    assert "backward and decoding skipped: no backward kernel runs" in out
+    gpu_like(A10)
+    assert gbwd._backward_plan(128, "best", fgpu.device_limits()).kernel == "mma"
+    with pytest.raises(ValueError, match="MaxSharedMemoryPerBlockOptin"):  # what selfcheck skips at d = 128
+        gbwd._backward_plan(128, "pipe", fgpu.device_limits())
