@@ -238,3 +238,18 @@ def test_selfcheck_skips_what_the_gpu_cannot_run_and_says_why(gpu_like, capsys):
     assert gbwd._backward_plan(128, "best", fgpu.device_limits()).kernel == "mma"
     with pytest.raises(ValueError, match="MaxSharedMemoryPerBlockOptin"):  # what selfcheck skips at d = 128
         gbwd._backward_plan(128, "pipe", fgpu.device_limits())
+
+
+def test_plan_for_answers_without_arrays_what_a_gpu_runs():
+    for lim in DEVICES:
+        assert fgpu.plan_for("forward", lim, dtype="f16", d=64) == fgpu._forward_plan("f16", 64, True, "best", lim)
+        for op in ("backward", "decode"):
+            why = fgpu.cannot_run(op, lim, d=128)
+            assert (why is None) == (lim.cc >= 80), (lim, op, why)
+            if why is not None:
+                assert "needs sm_80 or newer" in why and f"sm_{lim.cc}" in why
+    assert fgpu.plan_for("backward", A10).kernel == "mma" and fgpu.plan_for("backward", A10, d=64).kernel == "pipe"
+    assert "no float32" in fgpu.cannot_run("backward", H100, dtype="f32")
+    assert fgpu.cannot_run("forward", T4, kernel="addressing").startswith("forward kernel 'addressing' needs sm_80")
+    with pytest.raises(ValueError, match="op must be"):
+        fgpu.plan_for("sideways", H100)

@@ -544,6 +544,35 @@ def plan(q, k, v, *, causal: bool = False, scale: float | None = None, kernel: s
     return _forward_plan(dt, d, check_scale(scale, d) > 0, kernel, device_limits())
 
 
+def plan_for(op: str, device: DeviceLimits | None = None, *, dtype: str = "f16", d: int = 128,
+             kernel: str = "best", positive_scale: bool = True) -> Plan:
+    """The plan of ``op`` ("forward", "backward" or "decode") without arrays: on ``device`` (a ``DeviceLimits``,
+    e.g. ``KNOWN_DEVICES["T4"]``; default this GPU, ``device_limits()``) for ``dtype`` ("f32", "f16", "bf16")
+    and head dimension ``d``. The chapters ask it what a GPU runs; ValueError, naming the limit, when it runs
+    nothing."""
+    from . import backward, decoding
+
+    lim = device_limits() if device is None else device
+    if op == "forward":
+        return _forward_plan(dtype, d, positive_scale, kernel, lim)
+    if dtype == "f32":
+        raise ValueError(f"{op} takes float16 or bfloat16; there is no float32 {op} kernel")
+    if op == "backward":
+        return backward._backward_plan(d, kernel, lim)
+    if op == "decode":
+        return decoding._decode_plan(d, kernel, lim)
+    raise ValueError(f"op must be 'forward', 'backward' or 'decode'; got {op!r}")
+
+
+def cannot_run(op: str, device: DeviceLimits | None = None, **what) -> str | None:
+    """None when ``plan_for(op, device, **what)`` finds a kernel, else why not (the limit it names)."""
+    try:
+        plan_for(op, device, **what)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kernel: str | Rung = "best",
               bf16: bool = False, out: tuple[Any, Any] | None = None):
     """FlashAttention forward on the GPU. Returns ``(o, lse)``.
