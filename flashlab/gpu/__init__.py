@@ -270,6 +270,7 @@ KNOWN_DEVICES = {
     "A10": DeviceLimits(86, 99 * 1024, 65536, 1024, 72, "A10"),
     "RTX 3090": DeviceLimits(86, 99 * 1024, 65536, 1024, 82, "RTX 3090"),
     "RTX 4090": DeviceLimits(89, 99 * 1024, 65536, 1024, 128, "RTX 4090"),
+    "L4": DeviceLimits(89, 99 * 1024, 65536, 1024, 58, "L4"),
     "A100": DeviceLimits(80, 163 * 1024, 65536, 1024, 108, "A100"),
     "H100": DeviceLimits(90, 227 * 1024, 65536, 1024, 132, "H100"),
     "H200": DeviceLimits(90, 227 * 1024, 65536, 1024, 132, "H200"),
@@ -287,8 +288,10 @@ def device_limits() -> DeviceLimits:
         cc = compute_capability()
         attrs = cp.cuda.Device().attributes
         smem = attrs.get("MaxSharedMemoryPerBlockOptin", ARCH_SHARED_BYTES.get(cc, STATIC_SMEM_LIMIT))
+        name = cp.cuda.runtime.getDeviceProperties(dev).get("name", b"")
         lim = DeviceLimits(cc, int(smem), int(attrs.get("MaxRegistersPerBlock", 65536)),
-                           int(attrs.get("MaxThreadsPerBlock", 1024)), sm_count())
+                           int(attrs.get("MaxThreadsPerBlock", 1024)), sm_count(),
+                           name.decode() if isinstance(name, bytes) else str(name))
         _LIMITS[dev] = lim
     return lim
 
