@@ -39,6 +39,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -107,6 +108,9 @@ RUNGS: dict[str, Rung] = {
 # of PyTorch's FlashAttention-2 backend); fp32 has no tensor-core rung.
 BEST = {("f32", 64): "smem_tiles", ("f32", 128): "smem_tiles",
         ("f16", 64): "addressing", ("f16", 128): "addressing", ("bf16", 64): "addressing", ("bf16", 128): "addressing"}
+# Rungs beside the ladder rather than on it: written for GPUs older than the one the ladder was recorded on, so
+# data/benchmarks/ladder.json (an H200) has no row for them.
+SIDE_STEPS = ("turing",)
 # rung -> the rung "best" falls back to when scale <= 0 (these keep the max of unscaled scores)
 POSITIVE_SCALE_ONLY = {"lean": "warp32", "addressing": "warp32"}
 # What "best" tries after BEST's rung, fastest first: the ladder's order in data/benchmarks/ladder.json. "turing",
@@ -311,11 +315,13 @@ class Plan:
 
     @property
     def reason(self) -> str:
-        """One sentence: what was chosen and why the faster ones were not."""
-        why = "; ".join(f"{k!r} {w}" for k, w in self.passed_over)
+        """One sentence: what was chosen and why the faster ones were not (kernels with one reason grouped)."""
         smem = f"{self.shared_bytes:,} B dynamic shared memory" if self.shared_bytes else "static shared memory only"
-        first = f"{self.op}: {self.kernel!r} ({self.file}, {smem})"
-        return f"{first}, the fastest kernel this device runs" + (f" ({why})" if why else "")
+        text = f"{self.op}: {self.kernel!r} ({self.file}, {smem}), the fastest kernel this device runs"
+        groups: dict[str, list[str]] = {}
+        for name, why in self.passed_over:
+            groups.setdefault(why, []).append(repr(name))
+        return text + "".join(f"; passed over {', '.join(names)}: {why}" for why, names in groups.items())
 
     def __str__(self) -> str:
         return f"{self.reason}\n  on {self.device}"
@@ -337,7 +343,8 @@ def launch_problem(what: str, *, min_cc: int, shared_bytes: int, threads: int, l
     return None
 
 
-def choose(op: str, candidates, problem, requested: str, lim: DeviceLimits, default: str = "best"):
+def choose(op: str, candidates: dict[str, Any], problem: Callable[[str, Any, bool], str | None], requested: str,
+           lim: DeviceLimits, default: str = "best") -> tuple[str, Any, tuple[tuple[str, str], ...]]:
     """The first of ``candidates`` (name -> spec, fastest first) that ``problem(name, spec, best)`` (a reason or
     None; ``best``: judged for the default choice, which also avoids what only slows a kernel down) lets run, as
     ``(name, spec, passed_over)``; ``requested`` names one kernel or is ``default``. Raises ValueError naming
