@@ -1,51 +1,136 @@
-"""Every kernel of the ladder compiles with nvcc for the GPUs the course targets (no GPU needed).
+"""Every kernel compiles with nvcc for each GPU architecture it claims, and none spills where the plan chooses it.
 
-sm_75 is Colab's T4, sm_80 the A100, sm_90 the H100/H200. Rungs that use sm_80 instructions (mma.sync
-m16n8k16, ldmatrix, cp.async, bf16 conversions) declare it in flashlab.gpu.RUNGS and are compiled for sm_80 and up
-only. The resource usage (registers, shared memory, spills) is printed; a spill on sm_90 is a defect.
+The architectures are flashlab.gpu.COMPILED_ARCHS: sm_75 (T4), sm_80 (A100), sm_86 (A10, RTX 30x0), sm_89
+(RTX 40x0, L4) and sm_90 (H100, H200). A forward rung is compiled for those at or above its ``min_cc``; chapter
+8's kernels, which need sm_80, for sm_80 and up; so are the tile variants the plan may choose
+(``flashlab.gpu.PLANNED_VARIANTS``). The resource usage of every kernel (registers, static shared memory, spills)
+is printed (``pytest -s``). Spills must be exactly those recorded in ``flashlab.gpu.SPILLS`` (which the plan reads),
+none where the plan chooses a kernel, and none at all on sm_90. No GPU needed; the compilations run in parallel.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import shutil
 
 import pytest
 
 import flashlab.gpu as fgpu
+from flashlab.gpu import backward, decoding
 
-ARCHS = (75, 80, 90)
+ARCHS = fgpu.COMPILED_ARCHS
 NVCC = shutil.which("nvcc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc (CUDA toolkit) not installed")
+CH8_FILES = backward.KERNEL_FILES + decoding.KERNEL_FILES
+CH8_MIN_CC = max(decoding.MIN_CC, *(mk.min_cc for mk in backward.MAIN_KERNELS.values()))
+HALF = ("f16", "bf16")
 
 
-def _compile(rung, arch: int) -> list[dict]:
-    report = fgpu.compile_report(rung, arch)
-    assert report, f"no kernels reported for {rung.file} sm_{arch}"
-    return report
+def _jobs() -> list[tuple[str, tuple[str, ...], int]]:
+    """(file, defines, arch) of every compilation: each kernel file for every architecture it claims."""
+    forward = [*fgpu.RUNGS.values(), *fgpu.PLANNED_VARIANTS.values()]
+    jobs = [(r.file, r.defines, a) for r in forward for a in ARCHS if a >= r.min_cc]
+    return jobs + [(f, (), a) for f in CH8_FILES for a in ARCHS if a >= CH8_MIN_CC]
+
+
+def _compile(file: str, defines: tuple[str, ...], arch: int) -> dict[str, dict]:
+    report = fgpu.compile_report(fgpu.Rung(file, file, 0, 0, (), 0, 0, "", defines), arch)
+    assert report, f"no kernels reported for {file} {defines} sm_{arch}"
+    return {k["kernel"]: k for k in report}
+
+
+def _spilled(k: dict) -> bool:
+    return bool(k["spill_store_bytes"] or k["spill_load_bytes"])
+
+
+@pytest.fixture(scope="module")
+def usage() -> dict[tuple[str, tuple[str, ...], int], dict[str, dict]]:
+    """(file, defines, arch) -> {kernel function: its resource usage}, for every job, printed."""
+    if NVCC is None:
+        pytest.skip("nvcc (CUDA toolkit) not installed")
+    jobs = _jobs()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(4, os.cpu_count() or 1)) as pool:
+        reports = dict(zip(jobs, pool.map(lambda job: _compile(*job), jobs), strict=True))
+    for (file, defines, arch), kernels in reports.items():
+        print(f"--- {file} {' '.join(defines)} sm_{arch}")
+        for k in kernels.values():
+            print(f"    {k['kernel']:<28} {k['registers']:>3} registers, {k['shared_bytes']} B static shared, "
+                  f"spills {k['spill_store_bytes']}/{k['spill_load_bytes']} B{'  SPILLS' if _spilled(k) else ''}")
+    return reports
 
 
 def test_every_kernel_file_is_a_registered_rung():
     """Every .cu file is a forward rung or a chapter-8 kernel, so every one is compiled below."""
     files = sorted(p.name for p in fgpu.KERNEL_DIR.glob("*.cu"))
-    known = [r.file for r in fgpu.RUNGS.values()] + _chapter8_files()
-    assert files == sorted(known)
+    assert files == sorted([r.file for r in fgpu.RUNGS.values()] + list(CH8_FILES))
 
 
 @needs_nvcc
-def test_kernels_compile_without_spills():
-    jobs = [(r, a) for r in fgpu.RUNGS.values() for a in ARCHS if a >= r.min_cc]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
-        reports = list(pool.map(lambda job: _compile(*job), jobs))
+def test_each_kernel_is_compiled_for_every_architecture_it_claims(usage):
+    for rung in fgpu.RUNGS.values():
+        claimed = {a for (f, dfn, a) in usage if f == rung.file and dfn == rung.defines}
+        assert claimed == {a for a in ARCHS if a >= rung.min_cc}, rung.name
+        for arch in claimed:  # each dtype and head dimension the launcher asks for is there
+            assert {f"attn_fwd_{dt}_d{d}" for dt in rung.dtypes for d in fgpu.HEAD_DIMS} <= set(
+                usage[rung.file, rung.defines, arch]), (rung.name, arch)
+
+
+@needs_nvcc
+def test_forward_spills_are_exactly_the_recorded_ones(usage):
+    """flashlab.gpu.SPILLS, which the plan reads, is what the compiler says: no more, no fewer."""
+    found: dict[tuple[str, tuple[str, ...], int], set[int]] = {}
+    forward_files = {r.file for r in fgpu.RUNGS.values()}
+    for (file, defines, arch), kernels in usage.items():
+        for name, k in kernels.items():
+            if file in forward_files and _spilled(k):
+                found.setdefault((file, defines, int(name.rsplit("_d", 1)[1])), set()).add(arch)
+    assert found == {key: set(archs) for key, archs in fgpu.SPILLS.items()}
+
+
+@needs_nvcc
+def test_no_kernel_spills_where_the_plan_chooses_it(usage):
+    """On each simulated GPU, for every dtype and d: the kernels that the forward, the backward and decoding
+    would launch do not spill on that GPU's architecture."""
     spills = []
-    for (rung, arch), report in zip(jobs, reports, strict=True):
-        print(f"--- {rung.file} sm_{arch}")
-        for k in report:
-            print(f"    {k['kernel']:<20} {k['registers']:>3} registers, {k['shared_bytes']} B static shared, "
-                  f"spills {k['spill_store_bytes']}/{k['spill_load_bytes']} B")
-            if arch == 90 and (k["spill_store_bytes"] or k["spill_load_bytes"]):
-                spills.append(f"{rung.file} {k['kernel']} sm_{arch}")
+    for lim in fgpu.KNOWN_DEVICES.values():
+        arch = fgpu.compiled_arch(lim.cc)
+        chosen = []  # (file, defines, function)
+        for dt in ("f32", *HALF):
+            for d in fgpu.HEAD_DIMS:
+                for positive_scale in (True, False):
+                    rung = fgpu._forward_plan(dt, d, positive_scale, "best", lim).spec
+                    chosen.append((rung.file, rung.defines, f"attn_fwd_{dt}_d{d}"))
+        if lim.cc >= CH8_MIN_CC:
+            for d in fgpu.HEAD_DIMS:
+                mk = backward._backward_plan(d, "best", lim).spec
+                keys = decoding._decode_plan(d, "best", lim)
+                for dt in HALF:
+                    chosen += [(mk.file, (), f"{mk.stem}_{dt}_d{d}"), (backward.KERNEL_FILE, (), f"bwd_dot_{dt}_d{d}"),
+                               (backward.KERNEL_FILE, (), f"bwd_dq_{dt}"),
+                               (decoding.KERNEL_FILE, (), f"decode_merge_{dt}_d{d}")]
+                    chosen += [(keys.file, (), f"decode_keys_{dt}_d{d}_r{r}") for r in decoding.KEYS_ROWS]
+        for file, defines, function in chosen:
+            k = usage[file, defines, arch][function]
+            if _spilled(k):
+                spills.append(f"{lim.name}: {file} {function} sm_{arch}")
+    assert not spills, "the plan chooses kernels that spill: " + ", ".join(sorted(set(spills)))
+
+
+@needs_nvcc
+def test_nothing_spills_on_sm_90(usage):
+    spills = [f"{file} {name}" for (file, _, arch), kernels in usage.items() if arch == 90
+              for name, k in kernels.items() if _spilled(k)]
     assert not spills, "register spills on sm_90: " + ", ".join(spills)
+
+
+@needs_nvcc
+def test_chapter8_kernels_hold_static_shared_memory_only(usage):
+    """Above 48 KB a kernel must opt in; chapter 8's kernels keep their static arrays below that."""
+    for (file, _, arch), kernels in usage.items():
+        if file in CH8_FILES:
+            for k in kernels.values():
+                assert k["shared_bytes"] <= fgpu.STATIC_SMEM_LIMIT, (file, arch, k)
 
 
 def test_resource_usage_parser():
@@ -55,24 +140,3 @@ ptxas info    : Used 255 registers, used 1 barriers, 8 bytes cumulative stack si
     (k,) = fgpu.parse_resource_usage(log)
     got = (k["kernel"], k["registers"], k["spill_store_bytes"], k["spill_load_bytes"])
     assert got == ("attn_fwd_f16_d128", 255, 4, 8)
-
-
-def _chapter8_files() -> list[str]:
-    from flashlab.gpu import backward, decoding
-
-    return list(backward.KERNEL_FILES + decoding.KERNEL_FILES)
-
-
-@needs_nvcc
-@pytest.mark.parametrize("arch", [80, 90])
-@pytest.mark.parametrize("file", _chapter8_files())
-def test_chapter8_kernels_compile_without_spills(file, arch):
-    """Chapter 8's kernels (sm_80+: mma.sync, cp.async) hold static shared memory only and do not spill on sm_90."""
-    report = fgpu.compile_report(fgpu.Rung("ch8", file, 0, 0, (), 80, 0, ""), arch)
-    assert report, file
-    for k in report:
-        print(f"{file} sm_{arch} {k['kernel']:<24} {k['registers']:>3} registers, {k['shared_bytes']} B shared, "
-              f"spills {k['spill_store_bytes']}/{k['spill_load_bytes']} B")
-        assert k["shared_bytes"] <= 48 * 1024, (file, k)  # static shared memory only
-        if arch == 90:
-            assert k["spill_store_bytes"] == k["spill_load_bytes"] == 0, (file, k)

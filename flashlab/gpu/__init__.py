@@ -39,6 +39,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -98,14 +99,33 @@ RUNGS: dict[str, Rung] = {
              "one FFMA per exponent, O rescaled only when a row max moves, 64-key tiles at d = 128 (scale > 0)"),
         Rung("addressing", "r9_addressing.cu", 128, 128, ("f16", "bf16"), 80, (128 + 4 * 64) * 2,
              "32-bit shared addresses, precomputed swizzles, unrolled copies: a quarter fewer instructions"),
+        # A side step of the ladder for Turing (sm_75, the T4): rung 4's tensor-core forward on what sm_75 has.
+        Rung("turing", "r3t_mma_m16n8k8.cu", 64, 128, ("f16",), 75, (2 * 64 * 2, 2 * 32 * 2),
+             "Turing: two mma.sync m16n8k8 per k16 step, ldmatrix, K/V prefetched through registers, 16 KB shared"),
     )
 }
 # The fastest rung per (dtype, d), from data/benchmarks/ladder.json (H200, 2026-11-29): rung 9 at both d (90-96%
 # of PyTorch's FlashAttention-2 backend); fp32 has no tensor-core rung.
 BEST = {("f32", 64): "smem_tiles", ("f32", 128): "smem_tiles",
         ("f16", 64): "addressing", ("f16", 128): "addressing", ("bf16", 64): "addressing", ("bf16", 128): "addressing"}
+# Rungs beside the ladder rather than on it: written for GPUs older than the one the ladder was recorded on, so
+# data/benchmarks/ladder.json (an H200) has no row for them.
+SIDE_STEPS = ("turing",)
 # rung -> the rung "best" falls back to when scale <= 0 (these keep the max of unscaled scores)
 POSITIVE_SCALE_ONLY = {"lean": "warp32", "addressing": "warp32"}
+# What "best" tries after BEST's rung, fastest first: the ladder's order in data/benchmarks/ladder.json. "turing",
+# not timed there, comes after every sm_80 rung (it is chosen where they cannot run: sm_75); then the scalar rungs.
+# "addressing_c32" (below) stands in for rung 9 where rung 9 spills.
+LADDER_ORDER = ("addressing", "addressing_c32", "lean", "warp32", "exp2_tiles", "cp_async", "ldmatrix", "mma",
+                "turing", "smem_tiles", "scalar")
+# The architectures the kernels are compiled for in the tests (tests/test_kernels_compile.py), each kernel for those
+# of them at or above its min_cc: T4, A100, A10 / RTX 30x0, RTX 40x0, H100 / H200.
+COMPILED_ARCHS = (75, 80, 86, 89, 90)
+# Register spills that nvcc 13 reports (--resource-usage): (file, defines, d) -> the architectures where that
+# kernel spills. tests/test_kernels_compile.py compiles every kernel for every architecture it claims and fails
+# when this table and the compiler disagree. Rungs 8 and 9 at d = 128 keep 64-key tiles in 255 registers on sm_90;
+# sm_80-89 need a few more, so the plan passes them over there.
+SPILLS = {("r8_lean_softmax.cu", (), 128): (80, 86, 89), ("r9_addressing.cu", (), 128): (80, 86, 89)}
 
 
 def rung6_variant(nwarps: int, bc: int) -> Rung:
@@ -123,6 +143,17 @@ def rung7_variant(nwarps: int, bc64: int, bc128: int = 32, base: str = "warp32")
     return dataclasses.replace(base_rung, name=f"{base}_w{nwarps}_c{bc64}_{bc128}", block_rows=rows,
                                threads=32 * nwarps, smem_per_d=((rows + 4 * bc64) * 2, (rows + 4 * bc128) * 2),
                                defines=(f"-DNWARPS={nwarps}", f"-DBC_D64={bc64}", f"-DBC_D128={bc128}"))
+
+
+# Rung 9 with 32-key tiles at d = 128 (231 registers on sm_80, no spill): "best" on the GPUs where rung 9 spills.
+PLANNED_VARIANTS = {"addressing_c32": dataclasses.replace(rung7_variant(4, 64, 32, base="addressing"),
+                                                          name="addressing_c32")}
+
+
+def compiled_arch(cc: int) -> int:
+    """The architecture of COMPILED_ARCHS whose compiler results stand for compute capability ``cc`` (the highest
+    at or below it: sm_87 is judged by sm_86, sm_100 by sm_90)."""
+    return max((a for a in COMPILED_ARCHS if a <= cc), default=cc)
 
 
 def gpu_available() -> bool:
@@ -214,6 +245,127 @@ def sm_count() -> int:
     if dev not in _SM_COUNT:
         _SM_COUNT[dev] = int(cp.cuda.Device().attributes["MultiProcessorCount"])
     return _SM_COUNT[dev]
+
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceLimits:
+    """What a GPU allows one thread block, as the driver reports it: the limits a kernel choice must respect."""
+
+    cc: int  # compute capability, e.g. 75 for sm_75
+    smem_per_block: int  # bytes of shared memory one block may opt in to (MaxSharedMemoryPerBlockOptin)
+    regs_per_block: int  # 32-bit registers of one block (MaxRegistersPerBlock)
+    threads_per_block: int  # MaxThreadsPerBlock
+    sm_count: int  # MultiProcessorCount
+    name: str = ""
+
+    def __str__(self) -> str:
+        what = f"{self.name}, " if self.name else ""
+        return (f"{what}sm_{self.cc}, {self.smem_per_block:,} B shared memory per block, "
+                f"{self.regs_per_block:,} registers per block, {self.sm_count} SMs")
+
+
+# The opt-in shared memory per block of each architecture (CUDA C++ Programming Guide, "Technical Specifications
+# per Compute Capability"): used only where a driver does not report MaxSharedMemoryPerBlockOptin.
+ARCH_SHARED_BYTES = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+# Attribute sets of the GPUs learners have, for planning without them (tests, chapters without a GPU).
+KNOWN_DEVICES = {
+    "T4": DeviceLimits(75, 64 * 1024, 65536, 1024, 40, "T4"),
+    "A10": DeviceLimits(86, 99 * 1024, 65536, 1024, 72, "A10"),
+    "RTX 3090": DeviceLimits(86, 99 * 1024, 65536, 1024, 82, "RTX 3090"),
+    "RTX 4090": DeviceLimits(89, 99 * 1024, 65536, 1024, 128, "RTX 4090"),
+    "L4": DeviceLimits(89, 99 * 1024, 65536, 1024, 58, "L4"),
+    "A100": DeviceLimits(80, 163 * 1024, 65536, 1024, 108, "A100"),
+    "H100": DeviceLimits(90, 227 * 1024, 65536, 1024, 132, "H100"),
+    "H200": DeviceLimits(90, 227 * 1024, 65536, 1024, 132, "H200"),
+}
+MAX_REGISTERS_PER_THREAD = 255  # every kernel is compiled with __launch_bounds__: at most this many per thread
+_LIMITS: dict[int, DeviceLimits] = {}  # device ordinal -> its limits
+
+
+def device_limits() -> DeviceLimits:
+    """The current device's limits (asked once per device, like ``compute_capability``)."""
+    cp = _cupy()
+    dev = _device_id(cp)
+    lim = _LIMITS.get(dev)
+    if lim is None:
+        cc = compute_capability()
+        attrs = cp.cuda.Device().attributes
+        smem = attrs.get("MaxSharedMemoryPerBlockOptin", ARCH_SHARED_BYTES.get(cc, STATIC_SMEM_LIMIT))
+        name = cp.cuda.runtime.getDeviceProperties(dev).get("name", b"")
+        lim = DeviceLimits(cc, int(smem), int(attrs.get("MaxRegistersPerBlock", 65536)),
+                           int(attrs.get("MaxThreadsPerBlock", 1024)), sm_count(),
+                           name.decode() if isinstance(name, bytes) else str(name))
+        _LIMITS[dev] = lim
+    return lim
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The kernel a call will launch on a device, and why: the faster kernels passed over, each with its reason."""
+
+    op: str  # "forward", "backward" or "decode"
+    kernel: str  # its name (a key of RUNGS, backward.MAIN_KERNELS or decoding.KERNELS)
+    file: str  # its .cu file
+    shared_bytes: int  # dynamic shared memory per block
+    threads: int  # threads per block
+    device: DeviceLimits
+    passed_over: tuple[tuple[str, str], ...] = ()  # (faster kernel, why it cannot run here)
+    spec: Any = dataclasses.field(default=None, compare=False, repr=False)  # the Rung / MainKernel
+
+    @property
+    def reason(self) -> str:
+        """One sentence: what was chosen and why the faster ones were not (kernels with one reason grouped)."""
+        smem = f"{self.shared_bytes:,} B dynamic shared memory" if self.shared_bytes else "static shared memory only"
+        text = f"{self.op}: {self.kernel!r} ({self.file}, {smem}), the fastest kernel this device runs"
+        groups: dict[str, list[str]] = {}
+        for name, why in self.passed_over:
+            groups.setdefault(why, []).append(repr(name))
+        return text + "".join(f"; passed over {', '.join(names)}: {why}" for why, names in groups.items())
+
+    def __str__(self) -> str:
+        return f"{self.reason}\n  on {self.device}"
+
+
+def launch_problem(what: str, *, min_cc: int, shared_bytes: int, threads: int, lim: DeviceLimits) -> str | None:
+    """Why a kernel needing sm_``min_cc``, ``shared_bytes`` per block and ``threads`` cannot run on ``lim``
+    (None when it can). Each reason names the limit, so that no call reaches the driver to fail there."""
+    if lim.cc < min_cc:
+        return f"needs sm_{min_cc} or newer{what}; this GPU is sm_{lim.cc} (compute capability)"
+    if shared_bytes > lim.smem_per_block:
+        return (f"needs {shared_bytes:,} B of shared memory per block{what}; this GPU allows "
+                f"{lim.smem_per_block:,} B (MaxSharedMemoryPerBlockOptin)")
+    if threads > lim.threads_per_block:
+        return f"needs {threads} threads per block; this GPU allows {lim.threads_per_block} (MaxThreadsPerBlock)"
+    if threads * MAX_REGISTERS_PER_THREAD > lim.regs_per_block:
+        return (f"may use {threads} x {MAX_REGISTERS_PER_THREAD} registers per block; this GPU has "
+                f"{lim.regs_per_block:,} (MaxRegistersPerBlock)")
+    return None
+
+
+def choose(op: str, candidates: dict[str, Any], problem: Callable[[str, Any, bool], str | None], requested: str,
+           lim: DeviceLimits, default: str = "best") -> tuple[str, Any, tuple[tuple[str, str], ...]]:
+    """The first of ``candidates`` (name -> spec, fastest first) that ``problem(name, spec, best)`` (a reason or
+    None; ``best``: judged for the default choice, which also avoids what only slows a kernel down) lets run, as
+    ``(name, spec, passed_over)``; ``requested`` names one kernel or is ``default``. Raises ValueError naming
+    every limit when nothing runs."""
+    if requested != default:
+        reason = problem(requested, candidates[requested], False)
+        if reason is not None:
+            try:
+                other = f"; {default!r} would choose {choose(op, candidates, problem, default, lim, default)[0]!r}"
+            except ValueError:
+                other = ""
+            raise ValueError(f"{op} kernel {requested!r} {reason}{other}")
+        return requested, candidates[requested], ()
+    passed = []
+    for name, spec in candidates.items():
+        reason = problem(name, spec, True)
+        if reason is None:
+            return name, spec, tuple(passed)
+        passed.append((name, reason))
+    raise ValueError(f"no {op} kernel runs this call on this GPU ({lim}): "
+                     + "; ".join(f"{k!r} {w}" for k, w in passed))
 
 
 @functools.lru_cache(maxsize=None)
@@ -344,15 +496,91 @@ def _check_inputs(q, k, v, bf16: bool):
 
 
 def _check_half_launch(what: str, dt: str, arrays: dict[str, Any]) -> None:
-    """What chapter 8's kernels need beyond ``_check_inputs``: 16-bit inputs, sm_80 (bf16 conversions, mma.sync)
-    and arrays that start on 16 bytes (every load is 16 bytes wide)."""
+    """What chapter 8's kernels need beyond ``_check_inputs``: 16-bit inputs and arrays that start on 16 bytes
+    (every load is 16 bytes wide). The device's limits are the plans' (``plan_backward``, ``plan_decode``)."""
     if dt == "f32":
         raise TypeError(f"{what} takes float16 or (with bf16=True) bfloat16 bits in uint16; got float32")
-    if compute_capability() < 80:
-        raise ValueError(f"{what} needs sm_80 or newer; this GPU is sm_{compute_capability()}")
     for name, x in arrays.items():
         if x.data.ptr % 16:
             raise ValueError(f"{name} must start on a 16-byte boundary (the kernel loads 16 bytes at a time)")
+
+
+def forward_problem(rung: Rung, dt: str, d: int, positive_scale: bool, lim: DeviceLimits,
+                    avoid_spills: bool = True) -> str | None:
+    """Why ``rung`` cannot run a forward of dtype ``dt`` at head dimension ``d`` on ``lim`` (None: it can);
+    ``avoid_spills``: a kernel that spills registers on this architecture (``SPILLS``) counts as one that cannot
+    (kernel="best" avoids it; a kernel asked for by name runs, spills and all)."""
+    if dt not in rung.dtypes:
+        return f"supports {', '.join(rung.dtypes)}, not {dt}"
+    problem = launch_problem(f" at d = {d}", min_cc=rung.min_cc, shared_bytes=rung.shared_bytes(d),
+                             threads=rung.threads, lim=lim)
+    if problem is None and avoid_spills and compiled_arch(lim.cc) in SPILLS.get((rung.file, rung.defines, d), ()):
+        problem = (f"spills registers at d = {d} on sm_{compiled_arch(lim.cc)} (more than the "
+                   f"{MAX_REGISTERS_PER_THREAD} registers a thread may hold; flashlab.gpu.SPILLS)")
+    if problem is None and not positive_scale and rung.file in {RUNGS[n].file for n in POSITIVE_SCALE_ONLY}:
+        return "needs scale > 0 (it keeps the max of unscaled scores)"
+    return problem
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_plan(dt: str, d: int, positive_scale: bool, kernel: str | Rung, lim: DeviceLimits) -> Plan:
+    """``plan``'s decision, cached per (dtype, d, sign of the scale, request, device): a call costs one lookup."""
+    if isinstance(kernel, Rung):
+        candidates, requested = {kernel.name: kernel}, kernel.name
+    else:
+        if kernel != "best" and kernel not in RUNGS:
+            raise ValueError(f"unknown kernel {kernel!r}; choose 'best' or one of {sorted(RUNGS)}")
+        order = dict.fromkeys((BEST[(dt, d)], *LADDER_ORDER))
+        candidates, requested = {name: RUNGS.get(name) or PLANNED_VARIANTS[name] for name in order}, kernel
+    name, rung, passed = choose("forward", candidates,
+                                lambda _, r, best: forward_problem(r, dt, d, positive_scale, lim, best), requested,
+                                lim)
+    return Plan("forward", name, rung.file, rung.shared_bytes(d), rung.threads, lim, passed, rung)
+
+
+def plan(q, k, v, *, causal: bool = False, scale: float | None = None, kernel: str | Rung = "best",
+         bf16: bool = False) -> Plan:
+    """The forward kernel ``attention(q, k, v, ...)`` launches on this GPU with these arguments, and why.
+
+    ``kernel="best"`` takes the fastest rung that the device runs: its compute capability, the shared memory a
+    block may use (``MaxSharedMemoryPerBlockOptin``) and its registers decide (``device_limits``); a named
+    kernel that cannot run raises ValueError naming the limit. ``print(plan(q, k, v))`` says what was chosen and
+    why each faster rung was passed over. The backward and decoding have ``plan_backward`` and ``plan_decode``.
+    """
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be True or False; got {causal!r}")
+    dt = _check_inputs(q, k, v, bf16)
+    d = q.shape[-1]
+    return _forward_plan(dt, d, check_scale(scale, d) > 0, kernel, device_limits())
+
+
+def plan_for(op: str, device: DeviceLimits | None = None, *, dtype: str = "f16", d: int = 128,
+             kernel: str = "best", positive_scale: bool = True) -> Plan:
+    """The plan of ``op`` ("forward", "backward" or "decode") without arrays: on ``device`` (a ``DeviceLimits``,
+    e.g. ``KNOWN_DEVICES["T4"]``; default this GPU, ``device_limits()``) for ``dtype`` ("f32", "f16", "bf16")
+    and head dimension ``d``. The chapters ask it what a GPU runs; ValueError, naming the limit, when it runs
+    nothing."""
+    from . import backward, decoding
+
+    lim = device_limits() if device is None else device
+    if op == "forward":
+        return _forward_plan(dtype, d, positive_scale, kernel, lim)
+    if dtype == "f32":
+        raise ValueError(f"{op} takes float16 or bfloat16; there is no float32 {op} kernel")
+    if op == "backward":
+        return backward._backward_plan(d, kernel, lim)
+    if op == "decode":
+        return decoding._decode_plan(d, kernel, lim)
+    raise ValueError(f"op must be 'forward', 'backward' or 'decode'; got {op!r}")
+
+
+def cannot_run(op: str, device: DeviceLimits | None = None, **what) -> str | None:
+    """None when ``plan_for(op, device, **what)`` finds a kernel, else why not (the limit it names)."""
+    try:
+        plan_for(op, device, **what)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kernel: str | Rung = "best",
@@ -363,7 +591,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kern
     heads (grouped-query / multi-query attention). CuPy arrays, C-contiguous, float16 or float32, or bfloat16
     bit patterns in uint16 with ``bf16=True``; d is 64 or 128; any n >= 1 and m >= 1. ``causal`` masks as in
     ``flashlab.reference``: query i sees keys j <= i + (m - n). ``scale`` defaults to 1/sqrt(d). ``kernel``
-    names a rung of ``RUNGS`` (or is a ``Rung``) or is "best" (the fastest measured rung for the dtype and d).
+    names a rung of ``RUNGS`` (or is a ``Rung``) or is "best": the fastest rung this GPU runs for the dtype and d
+    (``plan(q, k, v)`` says which and why). A kernel the GPU cannot run raises ValueError naming the limit.
     ``out`` = (o, lse) writes into given arrays instead of allocating (benchmarks; tests poison them first).
 
     o has q's shape and dtype; lse (q's shape without d, float32) is the logsumexp of each row of scaled
@@ -375,23 +604,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kern
     dt = _check_inputs(q, k, v, bf16)
     d = q.shape[-1]
     scale = check_scale(scale, d)
-    if isinstance(kernel, Rung):
-        rung, name = kernel, kernel.name
-    else:
-        name = BEST[(dt, d)] if kernel == "best" else kernel
-        if name not in RUNGS:
-            raise ValueError(f"unknown kernel {kernel!r}; choose 'best' or one of {sorted(RUNGS)}")
-        if scale <= 0 and name in POSITIVE_SCALE_ONLY:
-            if kernel != "best":
-                raise ValueError(f"kernel {name!r} needs scale > 0 (it keeps the max of unscaled scores); got {scale}")
-            name = POSITIVE_SCALE_ONLY[name]
-        rung = RUNGS[name]
-    if dt not in rung.dtypes:
-        raise ValueError(f"kernel {name!r} supports {rung.dtypes}, not {dt}; use kernel='best'")
-    cc = compute_capability()
-    if cc < rung.min_cc:
-        raise ValueError(f"kernel {name!r} needs sm_{rung.min_cc} or newer; this GPU is sm_{cc}")
-
+    rung = _forward_plan(dt, d, scale > 0, kernel, device_limits()).spec
     B, H, n = (1, 1, q.shape[0]) if q.ndim == 2 else q.shape[:3]
     Hk, m = (1, k.shape[0]) if k.ndim == 2 else k.shape[1:3]
     if out is None:
@@ -453,4 +666,6 @@ def naive_attention(q, k, v, *, causal: bool = False, scale: float | None = None
 
 # Chapter 8: split-KV decoding and the backward pass, in their own modules.
 from .backward import attention_backward as attention_backward  # noqa: E402  (re-export)
+from .backward import plan_backward as plan_backward  # noqa: E402  (re-export)
 from .decoding import decode as decode  # noqa: E402  (re-export)
+from .decoding import plan_decode as plan_decode  # noqa: E402  (re-export)

@@ -16,6 +16,7 @@ NumPy, for tests and chapter 8.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,19 @@ import numpy as np
 from .._checks import causal_offset, check_scale
 
 # flashlab.gpu imports this module after defining these (at its end); bound once, not on every call
-from . import Workspace, _check_half_launch, _check_inputs, _check_out, _cupy, kernel_function
+from . import (
+    DeviceLimits,
+    Plan,
+    Workspace,
+    _check_half_launch,
+    _check_inputs,
+    _check_out,
+    _cupy,
+    choose,
+    device_limits,
+    kernel_function,
+    launch_problem,
+)
 
 KERNEL_FILE = "bwd_r1_smem.cu"  # kernels 1 and 3, and the scalar main kernel
 MMA_FILE = "bwd_r2_mma.cu"  # the main kernel on tensor cores
@@ -46,6 +59,7 @@ class MainKernel:
     block_keys: int
     threads: int
     stages: int = 0
+    min_cc: int = 80  # every file also holds bf16 kernels (cvt.rn.bf16.f32, mma.sync m16n8k16: sm_80)
 
     def shared_bytes(self, d: int) -> int:
         """Dynamic shared memory: K, V and `stages` Q and dO tiles (rows padded to d + 8), dS^T, and `stages` L
@@ -63,6 +77,32 @@ MAIN_KERNELS = {
 }
 KERNELS = tuple(MAIN_KERNELS)
 DEFAULT_KERNEL = "pipe"  # the fastest kernel measured on a GPU (data/ch8/bwd.json: 0.57x sdpa_flash; "mma" 0.42x)
+FASTEST_FIRST = ("pipe", "mma", "smem")  # what kernel="best" tries, in this order
+
+
+@functools.lru_cache(maxsize=64)
+def _backward_plan(d: int, kernel: str, lim: DeviceLimits) -> Plan:
+    if kernel != "best" and kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS} or 'best'; got {kernel!r}")
+    candidates = {name: MAIN_KERNELS[name] for name in FASTEST_FIRST}
+
+    def problem(_, mk: MainKernel, best: bool) -> str | None:
+        return launch_problem(f" at d = {d}", min_cc=mk.min_cc, shared_bytes=mk.shared_bytes(d), threads=mk.threads,
+                              lim=lim)
+
+    name, mk, passed = choose("backward", candidates, problem, kernel, lim)
+    return Plan("backward", name, mk.file, mk.shared_bytes(d), mk.threads, lim, passed, mk)
+
+
+def plan_backward(q, k, v, *, kernel: str = "best", bf16: bool = False) -> Plan:
+    """The main kernel ``attention_backward`` launches on this GPU for these inputs, and why (see
+    ``flashlab.gpu.plan``): "pipe" where a block may hold its shared memory (115,200 B at d = 128: sm_80 and
+    sm_90), else "mma" (57,600 B: the 99 KB of sm_86 and sm_89). A kernel that cannot run raises ValueError
+    naming the limit (sm_75 has none: these kernels need sm_80)."""
+    dt = _check_inputs(q, k, v, bf16)
+    if dt == "f32":
+        raise TypeError("attention_backward takes float16 or (with bf16=True) bfloat16 bits in uint16; got float32")
+    return _backward_plan(q.shape[-1], kernel, device_limits())
 
 
 def numpy_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: float | None = None):
@@ -110,7 +150,7 @@ def _kernels(dt: str, d: int, kernel: str):
 
 
 def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: float | None = None,
-                       bf16: bool = False, kernel: str = DEFAULT_KERNEL, out: tuple[Any, Any, Any] | None = None,
+                       bf16: bool = False, kernel: str = "best", out: tuple[Any, Any, Any] | None = None,
                        workspace: Workspace | None = None):
     """Gradients ``(dq, dk, dv)`` of attention on the GPU, recomputing P from the saved logsumexp.
 
@@ -121,8 +161,8 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: floa
     with grouped-query attention dk and dv are summed over the query heads that share a K/V head.
     Accumulation is fp32; dq is summed with fp32 atomics, so its last bits vary from run to run.
     ``kernel``: "smem" (scalar fp32 FMAs, the first version; P and dS stay fp32), "mma" (tensor cores; P and dS
-    are rounded to 16 bits before their products, as in FlashAttention-2) or "pipe" ("mma" with 128 keys per block
-    and cp.async double buffering); the default is DEFAULT_KERNEL.
+    are rounded to 16 bits before their products, as in FlashAttention-2), "pipe" ("mma" with 128 keys per block
+    and cp.async double buffering) or "best" (the default): the fastest this GPU runs, ``plan_backward``.
     ``out`` = (dq, dk, dv) writes into given arrays instead of allocating them; ``workspace`` (a
     ``flashlab.gpu.Workspace``) keeps the fp32 dq accumulator and the D vector from call to call. With both, a
     call allocates nothing.
@@ -130,8 +170,6 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: floa
     cp = _cupy()
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be True or False; got {causal!r}")
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
     dt = _check_inputs(q, k, v, bf16)
     for name, x in (("o", o), ("do", do)):
         if not isinstance(x, cp.ndarray):
@@ -146,6 +184,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: floa
     _check_half_launch("attention_backward", dt, {"q": q, "k": k, "v": v, "o": o, "do": do})
     d = q.shape[-1]
     scale = check_scale(scale, d)
+    kernel = _backward_plan(d, kernel, device_limits()).kernel
 
     B, H, n = (1, 1, q.shape[0]) if q.ndim == 2 else q.shape[:3]
     Hk, m = (1, k.shape[0]) if k.ndim == 2 else k.shape[1:3]

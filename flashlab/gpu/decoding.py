@@ -20,6 +20,7 @@ query rows in registers). Inputs fp16, or bf16 bit patterns in uint16 with ``bf1
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +31,20 @@ from .. import reference
 from .._checks import check_scale
 
 # flashlab.gpu imports this module after defining these (at its end); bound once, not on every call
-from . import Workspace, _check_half_launch, _check_inputs, _check_out, _cupy, kernel_function, sm_count
+from . import (
+    DeviceLimits,
+    Plan,
+    Workspace,
+    _check_half_launch,
+    _check_inputs,
+    _check_out,
+    _cupy,
+    choose,
+    device_limits,
+    kernel_function,
+    launch_problem,
+    sm_count,
+)
 
 KERNEL_FILE = "decode_r1_split.cu"  # the "rows" split kernel and the merge kernel both versions use
 KEYS_FILE = "decode_r2_warp_keys.cu"
@@ -41,6 +55,30 @@ BLOCK_ROWS = 32  # query rows (heads of a group x query tokens) per block of the
 KEYS_ROWS = (1, 2, 4, 8)  # row counts the "keys" kernel is compiled for (R in the .cu): the smallest that fits
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs (launch share, merge traffic) outweigh its keys
 BLOCKS_PER_SM = {"rows": 4, "keys": 8}  # default splits aim at this many blocks per SM (about two waves)
+FILES = {"keys": KEYS_FILE, "rows": KERNEL_FILE}
+THREADS = 128  # threads per block of both split kernels
+MIN_CC = 80  # both files hold bf16 kernels (cvt.rn.bf16.f32: sm_80); static shared memory only (< 48 KB)
+
+
+@functools.lru_cache(maxsize=64)
+def _decode_plan(d: int, kernel: str, lim: DeviceLimits) -> Plan:
+    if kernel != "best" and kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))} or 'best'; got {kernel!r}")
+
+    def problem(*_) -> str | None:
+        return launch_problem("", min_cc=MIN_CC, shared_bytes=0, threads=THREADS, lim=lim)
+
+    name, file, passed = choose("decode", FILES, problem, kernel, lim)
+    return Plan("decode", name, file, 0, THREADS, lim, passed, file)
+
+
+def plan_decode(q, k_cache, v_cache, *, kernel: str = "best", bf16: bool = False) -> Plan:
+    """The split kernel ``decode`` launches on this GPU, and why (see ``flashlab.gpu.plan``): "keys" on sm_80
+    and newer; on older GPUs a ValueError naming the compute capability."""
+    dt = _check_inputs(q, k_cache, v_cache, bf16)
+    if dt == "f32":
+        raise TypeError("decode takes float16 or (with bf16=True) bfloat16 bits in uint16; got float32")
+    return _decode_plan(q.shape[-1], kernel, device_limits())
 
 
 # ----------------------------------------------------------------------------------------------- CPU: the math
@@ -169,7 +207,7 @@ def _lengths_array(lengths, B: int, m: int):
 
 def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Sequence[int] | None = None,
            causal: bool = False, scale: float | None = None, bf16: bool = False, return_partials: bool = False,
-           kernel: str = KERNELS[0], out: tuple[Any, Any] | None = None, workspace: Workspace | None = None):
+           kernel: str = "best", out: tuple[Any, Any] | None = None, workspace: Workspace | None = None):
     """Attention of a few query tokens against a KV cache, split over the keys (FlashDecoding). Returns (o, lse).
 
     q is (batch, heads, n, d) or (n, d); k_cache and v_cache are (batch, heads_kv, m, d) or (m, d), heads_kv
@@ -179,7 +217,8 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     tokens are the last n entries of the cache, so token i sees keys j <= i + length - n. ``num_splits`` None
     picks enough splits to fill the GPU (``default_num_splits``); 1 is the unsplit kernel (one block per (batch,
     K/V head, chunk of query rows)), followed by the same merge kernel, which then copies. ``kernel`` picks the
-    split kernel: "keys" (default) or "rows" (the first version; see the module's docstring).
+    split kernel: "keys", "rows" (the first version; see the module's docstring) or "best" (the default: "keys"
+    where the GPU runs it, ``plan_decode``).
 
     o has q's shape and dtype; lse (q's shape without d, float32, natural log) is -inf for a row that sees no
     key (its o is 0). ``return_partials=True`` also returns the fp32 partials (o_parts (B, H, n, S, d),
@@ -193,11 +232,10 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     cp = _cupy()
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be True or False; got {causal!r}")
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}; got {kernel!r}")
     dt = _check_inputs(q, k_cache, v_cache, bf16)
     _check_half_launch("decode", dt, {"q": q, "k_cache": k_cache, "v_cache": v_cache})
     d = q.shape[-1]
+    kernel = _decode_plan(d, kernel, device_limits()).kernel
     scale = check_scale(scale, d)
     q4 = q if q.ndim == 4 else q.reshape(1, 1, *q.shape)
     k4 = k_cache if k_cache.ndim == 4 else k_cache.reshape(1, 1, *k_cache.shape)

@@ -1,0 +1,256 @@
+"""Kernel choice by the device's limits (flashlab.gpu.plan, plan_backward, plan_decode), without those GPUs.
+
+The GPUs learners have are simulated by their attribute sets (compute capability, MaxSharedMemoryPerBlockOptin,
+MaxRegistersPerBlock, ...): first as ``DeviceLimits`` handed to the planners, then through the public calls on
+the NumPy stand-in for CuPy of tools/hostemu, whose device reports those attributes and whose kernels record
+their launches instead of running. What is checked: the chosen kernel runs within every limit, no faster kernel
+that would also run was passed over, each kernel passed over is named with the limit it breaks, and a call that
+cannot run raises ValueError naming the limit before anything reaches the driver.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import pathlib
+import re
+import sys
+
+import numpy as np
+import pytest
+
+import flashlab.gpu as fgpu
+from flashlab.gpu import backward as gbwd
+from flashlab.gpu import decoding
+
+DEVICES = list(fgpu.KNOWN_DEVICES.values())
+T4, A10, RTX4090, A100, H100 = (fgpu.KNOWN_DEVICES[n] for n in ("T4", "A10", "RTX 4090", "A100", "H100"))
+LIMIT_NAMES = ("compute capability", "MaxSharedMemoryPerBlockOptin", "MaxThreadsPerBlock", "MaxRegistersPerBlock")
+
+
+def _fits(lim: fgpu.DeviceLimits, min_cc: int, shared: int, threads: int) -> bool:
+    return (lim.cc >= min_cc and shared <= lim.smem_per_block and threads <= lim.threads_per_block
+            and threads * fgpu.MAX_REGISTERS_PER_THREAD <= lim.regs_per_block)
+
+
+def _rung(name: str) -> fgpu.Rung:
+    return fgpu.RUNGS.get(name) or fgpu.PLANNED_VARIANTS[name]
+
+
+def _spills(rung: fgpu.Rung, d: int, lim: fgpu.DeviceLimits) -> bool:
+    return fgpu.compiled_arch(lim.cc) in fgpu.SPILLS.get((rung.file, rung.defines, d), ())
+
+
+# ------------------------------------------------------------------------------------------ the planners alone
+@pytest.mark.parametrize("lim", DEVICES, ids=lambda lim: lim.name)
+@pytest.mark.parametrize("dt", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("d", fgpu.HEAD_DIMS)
+@pytest.mark.parametrize("positive_scale", [True, False])
+def test_forward_takes_the_first_rung_of_the_order_that_runs(lim, dt, d, positive_scale):
+    p = fgpu._forward_plan(dt, d, positive_scale, "best", lim)
+    rung = _rung(p.kernel)
+    assert p.spec == rung and dt in rung.dtypes and _fits(lim, rung.min_cc, rung.shared_bytes(d), rung.threads)
+    assert not _spills(rung, d, lim)
+    needs_positive = {fgpu.RUNGS[name].file for name in fgpu.POSITIVE_SCALE_ONLY}
+    assert positive_scale or rung.file not in needs_positive
+    order = list(dict.fromkeys((fgpu.BEST[(dt, d)], *fgpu.LADDER_ORDER)))
+    passed = order[:order.index(p.kernel)]
+    assert [name for name, _ in p.passed_over] == passed
+    for name, why in p.passed_over:
+        r = _rung(name)
+        assert (dt not in r.dtypes or not _fits(lim, r.min_cc, r.shared_bytes(d), r.threads) or _spills(r, d, lim)
+                or (not positive_scale and r.file in needs_positive)), (name, why)
+        assert ("supports" in why or "scale > 0" in why or "spills registers" in why
+                or any(s in why for s in LIMIT_NAMES)), why
+    assert p.kernel in p.reason and str(lim.cc) in str(p)
+
+
+def test_each_gpu_gets_its_fastest_forward():
+    for lim in DEVICES:
+        for d in fgpu.HEAD_DIMS:
+            fp16 = fgpu._forward_plan("f16", d, True, "best", lim).kernel
+            bf16 = fgpu._forward_plan("bf16", d, True, "best", lim).kernel
+            rung9 = "addressing_c32" if d == 128 and lim.cc in (80, 86, 89) else "addressing"  # where rung 9 spills
+            assert (fp16, bf16) == (("turing", "smem_tiles") if lim.cc < 80 else (rung9, rung9)), (lim, d)
+            assert fgpu._forward_plan("f32", d, True, "best", lim).kernel == "smem_tiles"
+    a100 = fgpu._forward_plan("f16", 128, True, "best", A100)
+    assert a100.passed_over[0][0] == "addressing" and "spills registers at d = 128 on sm_80" in a100.passed_over[0][1]
+    assert fgpu._forward_plan("f16", 128, True, "addressing", A100).kernel == "addressing"  # asked for: it runs
+    assert fgpu.RUNGS["turing"].shared_bytes(128) <= T4.smem_per_block  # the T4's tensor-core rung fits it
+
+
+def test_a_named_forward_kernel_that_cannot_run_names_the_limit():
+    with pytest.raises(ValueError, match=r"'addressing' needs sm_80 .* sm_75 \(compute capability\).*'turing'"):
+        fgpu._forward_plan("f16", 128, True, "addressing", T4)
+    variant = fgpu.rung6_variant(4, 128)  # 128-key tiles: 147,456 B at d = 128
+    for lim in (A10, RTX4090):
+        with pytest.raises(ValueError, match=r"147,456 B of shared memory .*MaxSharedMemoryPerBlockOptin"):
+            fgpu._forward_plan("f16", 128, True, variant, lim)
+    for lim in (A100, H100):
+        assert fgpu._forward_plan("f16", 128, True, variant, lim).shared_bytes == 147456
+    with pytest.raises(ValueError, match="supports f16, not bf16"):
+        fgpu._forward_plan("bf16", 64, True, "turing", H100)
+
+
+@pytest.mark.parametrize("lim", DEVICES, ids=lambda lim: lim.name)
+@pytest.mark.parametrize("d", fgpu.HEAD_DIMS)
+def test_backward_takes_the_fastest_kernel_whose_shared_memory_fits(lim, d):
+    kernels = {name: gbwd.MAIN_KERNELS[name] for name in gbwd.FASTEST_FIRST}
+    feasible = [name for name, mk in kernels.items() if _fits(lim, mk.min_cc, mk.shared_bytes(d), mk.threads)]
+    if not feasible:
+        with pytest.raises(ValueError, match=rf"no backward kernel .*needs sm_80 or newer.*this GPU is sm_{lim.cc}"):
+            gbwd._backward_plan(d, "best", lim)
+        return
+    p = gbwd._backward_plan(d, "best", lim)
+    assert p.kernel == feasible[0] and p.shared_bytes == gbwd.MAIN_KERNELS[p.kernel].shared_bytes(d)
+    assert [k for k, _ in p.passed_over] == list(gbwd.FASTEST_FIRST[:gbwd.FASTEST_FIRST.index(p.kernel)])
+
+
+def test_backward_at_d128_takes_mma_on_99_kb_cards_and_says_why():
+    assert gbwd.MAIN_KERNELS["pipe"].shared_bytes(128) == 115200
+    for lim in (A10, RTX4090):
+        p = gbwd._backward_plan(128, "best", lim)
+        assert p.kernel == "mma"
+        ((name, why),) = p.passed_over
+        assert name == "pipe" and "115,200 B" in why and "101,376 B (MaxSharedMemoryPerBlockOptin)" in why
+        with pytest.raises(ValueError, match=r"'pipe' needs 115,200 B .*'best' would choose 'mma'"):
+            gbwd._backward_plan(128, "pipe", lim)
+        assert gbwd._backward_plan(64, "best", lim).kernel == "pipe"
+    assert gbwd._backward_plan(128, "best", A100).kernel == gbwd._backward_plan(128, "best", H100).kernel == "pipe"
+
+
+@pytest.mark.parametrize("lim", DEVICES, ids=lambda lim: lim.name)
+def test_decode_runs_keys_from_sm80_and_names_the_limit_below(lim):
+    if lim.cc >= decoding.MIN_CC:
+        assert decoding._decode_plan(128, "best", lim).kernel == decoding.KERNELS[0]
+        assert decoding._decode_plan(128, "rows", lim).file == decoding.KERNEL_FILE
+    else:
+        with pytest.raises(ValueError, match=r"'keys' needs sm_80 or newer; this GPU is sm_75"):
+            decoding._decode_plan(128, "best", lim)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        decoding._decode_plan(128, "fast", lim)
+
+
+# ------------------------------------------------------------------------------- through the public calls
+_HOSTEMU = pathlib.Path(__file__).resolve().parents[1] / "tools" / "hostemu" / "hostemu.py"
+_spec = importlib.util.spec_from_file_location("hostemu", _HOSTEMU)
+hostemu = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hostemu)
+
+
+@pytest.fixture
+def gpu_like(monkeypatch):
+    """``gpu_like(lim)``: ``import cupy`` gives the stand-in, its device reports ``lim``'s attributes, and every
+    launch is recorded as (file, function, dynamic shared memory) instead of run."""
+    launches: list[tuple[str, str, int]] = []
+    files = {p.read_text(): p.name for p in fgpu.KERNEL_DIR.glob("*.cu")}
+
+    class Module:
+        def __init__(self, code, options=()):
+            self.file = files[code]
+
+        def get_function(self, name):
+            def launch(grid, block, args, shared_mem=0):
+                launches.append((self.file, name, shared_mem))
+            return launch
+
+    def simulate(lim: fgpu.DeviceLimits):
+        cp = hostemu.fake_cupy()
+        cp.RawModule = Module
+        device = type("Device", (), {
+            "compute_capability": str(lim.cc), "synchronize": lambda self: None,
+            "attributes": {"MultiProcessorCount": lim.sm_count, "MaxSharedMemoryPerBlockOptin": lim.smem_per_block,
+                           "MaxRegistersPerBlock": lim.regs_per_block, "MaxThreadsPerBlock": lim.threads_per_block}})
+        cp.cuda.Device = device
+        monkeypatch.setitem(sys.modules, "cupy", cp)
+        for cache in ("_FUNCTIONS", "_CAPABILITY", "_SM_COUNT", "_LIMITS"):
+            monkeypatch.setattr(fgpu, cache, {})
+        fgpu._module.cache_clear()
+        return launches
+
+    yield simulate
+    fgpu._module.cache_clear()
+
+
+def _arrays(*shape, dtype=np.float16):
+    return hostemu._wrap(np.random.default_rng(0).standard_normal(shape).astype(dtype))
+
+
+@pytest.mark.parametrize("lim", DEVICES, ids=lambda lim: lim.name)
+def test_public_calls_launch_what_the_plan_says(gpu_like, lim):
+    launches = gpu_like(lim)
+    for d in fgpu.HEAD_DIMS:
+        q, k, v, o, do = (_arrays(1, 2, 40, d) for _ in range(5))
+        lse = _arrays(1, 2, 40, dtype=np.float32)
+        q1 = q[:, :, :1].copy()  # one new token
+        p = fgpu.plan(q, k, v)
+        assert p.device == fgpu.device_limits() == dataclasses.replace(lim, name="host emulation (no GPU)")
+        fgpu.attention(q, k, v)
+        assert launches[-1] == (p.file, f"attn_fwd_f16_d{d}", p.shared_bytes)
+        assert fgpu.plan(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32)).kernel == "smem_tiles"
+        if lim.cc < 80:
+            for call, args in ((fgpu.attention_backward, (q, k, v, o, lse, do)), (fgpu.plan_backward, (q, k, v)),
+                               (fgpu.decode, (q1, k, v)), (fgpu.plan_decode, (q1, k, v))):
+                n_before = len(launches)
+                with pytest.raises(ValueError, match=r"needs sm_80 or newer.*this GPU is sm_75 \(compute capability\)"):
+                    call(*args)
+                assert len(launches) == n_before  # refused before any launch
+            continue
+        pb = fgpu.plan_backward(q, k, v)
+        fgpu.attention_backward(q, k, v, o, lse, do)
+        assert launches[-2] == (pb.file, f"{pb.spec.stem}_f16_d{d}", pb.shared_bytes)
+        pd = fgpu.plan_decode(q1, k, v)
+        fgpu.decode(q1, k, v)
+        assert launches[-2][:2] == (pd.file, f"decode_keys_f16_d{d}_r1")
+
+
+def test_a_forward_request_the_t4_cannot_run_is_refused_before_the_driver(gpu_like):
+    launches = gpu_like(T4)
+    q = _arrays(1, 1, 16, 128)
+    with pytest.raises(ValueError, match=r"'exp2_tiles' needs sm_80.*'best' would choose 'turing'"):
+        fgpu.attention(q, q, q, kernel="exp2_tiles")
+    assert not launches and not fgpu._FUNCTIONS  # nothing compiled, nothing launched
+    qb = _arrays(1, 1, 16, 64, dtype=np.uint16)
+    assert fgpu.plan(qb, qb, qb, bf16=True).kernel == "smem_tiles"  # no bf16 tensor cores on sm_75
+    text = str(fgpu.plan(q, q, q, scale=-0.1))
+    assert re.search(r"'turing'.*passed over 'addressing', .*'mma': needs sm_80", text)
+    assert "on host emulation (no GPU), sm_75" in text  # the device as it names itself
+
+
+def test_backward_on_a_99_kb_card_launches_mma_at_d128(gpu_like):
+    launches = gpu_like(RTX4090)
+    q, k, v, o, do = (_arrays(1, 2, 40, 128) for _ in range(5))
+    lse = _arrays(1, 2, 40, dtype=np.float32)
+    fgpu.attention_backward(q, k, v, o, lse, do)
+    assert [f for f, _, _ in launches] == [gbwd.KERNEL_FILE, gbwd.MMA_FILE, gbwd.KERNEL_FILE]
+    with pytest.raises(ValueError, match=r"115,200 B .*this GPU allows 101,376 B \(MaxSharedMemoryPerBlockOptin\)"):
+        fgpu.attention_backward(q, k, v, o, lse, do, kernel="pipe")
+
+
+def test_selfcheck_skips_what_the_gpu_cannot_run_and_says_why(gpu_like, capsys):
+    from flashlab.gpu import selfcheck
+
+    launches = gpu_like(T4)
+    assert selfcheck.forward(["addressing", "exp2_tiles"]) == 0 and selfcheck.backward_and_decode(quick=True) == 0
+    out = capsys.readouterr().out
+    assert out.count("skipped: needs sm_80 or newer") == 2 * 2 * len(fgpu.HEAD_DIMS) and not launches
+    assert "backward and decoding skipped: no backward kernel runs" in out
+    gpu_like(A10)
+    assert gbwd._backward_plan(128, "best", fgpu.device_limits()).kernel == "mma"
+    with pytest.raises(ValueError, match="MaxSharedMemoryPerBlockOptin"):  # what selfcheck skips at d = 128
+        gbwd._backward_plan(128, "pipe", fgpu.device_limits())
+
+
+def test_plan_for_answers_without_arrays_what_a_gpu_runs():
+    for lim in DEVICES:
+        assert fgpu.plan_for("forward", lim, dtype="f16", d=64) == fgpu._forward_plan("f16", 64, True, "best", lim)
+        for op in ("backward", "decode"):
+            why = fgpu.cannot_run(op, lim, d=128)
+            assert (why is None) == (lim.cc >= 80), (lim, op, why)
+            if why is not None:
+                assert "needs sm_80 or newer" in why and f"sm_{lim.cc}" in why
+    assert fgpu.plan_for("backward", A10).kernel == "mma" and fgpu.plan_for("backward", A10, d=64).kernel == "pipe"
+    assert "no float32" in fgpu.cannot_run("backward", H100, dtype="f32")
+    assert fgpu.cannot_run("forward", T4, kernel="addressing").startswith("forward kernel 'addressing' needs sm_80")
+    with pytest.raises(ValueError, match="op must be"):
+        fgpu.plan_for("sideways", H100)
