@@ -326,6 +326,9 @@ class Trial:
         # (student, run, case, expected, rtol, atol): each pass keeps the tolerance it was judged with, so that a
         # mutant is contradicted only where it would have failed that same check.
         self._passes: list[tuple[Any, Callable, Case, tuple, float, float]] = []
+        # (label, student, run, failures, mutants, rtol, atol) of every failing compare part: a mistake named as
+        # likely in one part must not be contradicted by another failing part of the same question.
+        self._failed: list[tuple[str, Any, Callable, list, Sequence[Mutant], float, float]] = []
         self.diagnoses: list[str] = []  # titles of the mistakes named, filled as the feedback is written
         #: Set by run_question when the code under test calls an earlier answer that fails its own question: the
         #: feedback then says so first and names no mistake of the code under test.
@@ -407,9 +410,9 @@ class Trial:
             return True
 
         def message() -> str:
-            passes = [(c, e, rt, at) for s, r, c, e, rt, at in self._passes if s is student and r is run]
-            return self._diagnose(failures, passes, run, mutants, rtol, atol, names)
+            return self._diagnose(failures, self._passes_of(student, run), run, mutants, rtol, atol, names)
 
+        self._failed.append((label, student, run, failures, mutants, rtol, atol))
         self.parts.append((f"{label} (failed {len(failures)} of {n_cases} inputs)", 0.0, points, message))
         return False
 
@@ -468,9 +471,11 @@ class Trial:
 
     # -- feedback ---------------------------------------------------------------------------------------------
     @staticmethod
-    def _explains(mutant: Mutant, outputs, passes, run, rtol, atol) -> bool:
+    def _explains(mutant: Mutant, outputs, passes, run, rtol, atol, *, mutant_wrong: bool = True) -> bool:
         """Whether ``mutant`` accounts for every failing input (the student's output is the mutant's there, and
-        the mutant's is wrong) and is right on every input the student got right."""
+        the mutant's is wrong) and is right on every input the student got right. With ``mutant_wrong=False``,
+        only whether the student's output is the mutant's on every failing input (the mutant may be right there
+        under its key: it is then merely not contradicted)."""
         key = mutant.key or (lambda out: out)
 
         def mutant_output(case):
@@ -490,7 +495,9 @@ class Trial:
                     continue
                 if isinstance(got, BaseException):
                     return False
-                if allclose(key(wrong), key(expected), rtol, atol) or not allclose(key(got), key(wrong), rtol, atol):
+                if mutant_wrong and allclose(key(wrong), key(expected), rtol, atol):
+                    return False
+                if not allclose(key(got), key(wrong), rtol, atol):
                     return False
             except Exception:
                 return False
@@ -503,6 +510,22 @@ class Trial:
                     return False
         return True
 
+    def _passes_of(self, student: Any, run: Callable) -> list[tuple[Case, tuple, float, float]]:
+        """The inputs ``student`` got right through ``run`` in any part so far, each with its tolerance."""
+        return [(c, e, rt, at) for s, r, c, e, rt, at in self._passes if s is student and r is run]
+
+    def _contradicted_in(self, title: str, failures: list) -> str:
+        """The label of another failing part of this question that tested a mutant titled ``title`` whose output
+        differs from the student's on one of that part's failing inputs ("" if none): that mistake cannot be the
+        student's. (Where the mutant is right is checked already: every part's passes count.)"""
+        for label, _student, run, other, mutants, rtol, atol in self._failed:
+            if other is failures:
+                continue
+            same = [m for m in mutants if mistake_title(m.message) == title]
+            if same and not any(self._explains(m, other, (), run, rtol, atol, mutant_wrong=False) for m in same):
+                return label
+        return ""
+
     def _diagnose(self, failures, passes, run, mutants, rtol, atol, names) -> str:
         smallest = min(failures, key=lambda f: f[0].size)
         text = self._show_case(*smallest, names, rtol, atol)
@@ -510,6 +533,14 @@ class Trial:
             return text
         explaining = [m for m in mutants if self._explains(m, failures, passes, run, rtol, atol)]
         titles = list(dict.fromkeys(mistake_title(m.message) for m in explaining))
+        ruled_out = {title: self._contradicted_in(title, failures) for title in titles}
+        titles = [title for title in titles if not ruled_out[title]]
+        explaining = [m for m in explaining if mistake_title(m.message) in titles]
+        if not titles and ruled_out:  # they fit these inputs, but not those another part of the question failed
+            known = self._what_is_known(failures, names, rtol, atol)
+            known += "".join(f" {title[:1].upper() + title[1:]} fits these inputs but not those of the part "
+                             f"\"{other}\", so it is not the mistake." for title, other in ruled_out.items())
+            return f"{known.strip()}\n{text}"
         if len(titles) == 1:
             self.diagnoses.append(titles[0])
             how = "the failing input" if len(failures) == 1 else f"all {len(failures)} failing inputs"
