@@ -61,6 +61,13 @@ def test_a_wrong_dq_keeps_the_points_of_dk_dv_and_memory():
     assert "[FAIL] dQ" in r.feedback and "[ok  ] dK" in r.feedback and "[ok  ] dV" in r.feedback
 
 
+def test_a_failing_backward_input_names_its_arguments():
+    r = run_question("lab04", "q1", [lab04._switch(assign_dq=True)], seed=5)
+    shown = r.feedback.split("Smallest failing input", 1)[1].splitlines()[1]
+    assert re.match(r"\s*Q = .*, K = .*, V = .*, O = .*, L = .*, dO = .*, block_q = \d+, block_k = \d+$", shown), shown
+    assert "arg1" not in r.feedback, r.feedback
+
+
 def test_memory_is_half_the_lab_and_scored_whatever_the_gradients():
     lab = lab04.LAB
     assert lab04.MEMORY_POINTS >= lab.max_score / 2

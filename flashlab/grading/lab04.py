@@ -216,13 +216,16 @@ def _shapes_problem(t: Trial, flash_backward, case: Case) -> str:
     return ""
 
 
+BACKWARD_ARGS = ("Q", "K", "V", "O", "L", "dO", "block_q", "block_k")
+
+
 @LAB.question("q1", points=3 + MEMORY_POINTS, objects=("flash_backward",))
 def q1(t: Trial, flash_backward) -> None:
     """flash_backward(Q, K, V, O, L, dO, block_q, block_k) -> (dQ, dK, dV), recomputing P from L."""
     cases = backward_cases(t)
     for i, name in enumerate(GRADIENTS):
         t.compare(name, 1, student=flash_backward, cases=cases, reference=lambda c, i=i: _truth(c)[i],
-                  run=_gradient(i), mutants=MUTANTS, names=(name,))
+                  run=_gradient(i), mutants=MUTANTS, names=(name,), arg_names=BACKWARD_ARGS)
 
     b = int(t.rng.choice(MEMORY_BLOCKS))
     label = f"memory: never holds an n x m matrix (n = m = {MEMORY_N}, blocks {b} x {b})"
