@@ -224,3 +224,11 @@ def test_the_lab04_demo_inputs_come_from_the_forward():
         O_ref, L_ref = reference.attention(Q, K, V)
         assert np.allclose(O, O_ref, atol=1e-14) and np.allclose(L, L_ref, atol=1e-14)
         assert np.allclose(tiled.forward(Q, K, V)[0], O_ref, atol=1e-14)
+
+
+def test_a_softmax_without_the_max_keeps_the_points_of_ordinary_scores():
+    for seed in (1, 2):
+        r = run_question("lab04", "q3", [lab04._softmax_switch("no max")], seed=seed)
+        wrong = run_question("lab04", "q3", [lab04._softmax_switch("no D")], seed=seed)
+        assert r.score == 1.5 and wrong.score == 0 and r.max_score == 2, (r.feedback, wrong.feedback)
+        assert "no max subtraction" in r.feedback, r.feedback

@@ -311,6 +311,12 @@ def _softmax_mutant(S, dP, *, mistake):
         return P * (dP - np.sum(P * dP))
     if mistake == "no P factor":
         return dP - np.sum(P * dP, axis=1, keepdims=True)
+    if mistake == "D down the columns":
+        return P * (dP - np.sum(P * dP, axis=0, keepdims=True))
+    if mistake == "no keepdims":
+        return P * (dP - np.sum(P * dP, axis=1))
+    if mistake == "P on one term":
+        return P * dP - np.sum(P * dP, axis=1, keepdims=True)
     raise ValueError(mistake)
 
 
@@ -344,6 +350,13 @@ SOFTMAX_MUTANTS = [
            "(keepdims=True along axis=1), not one number for all rows.", fn=_softmax_switch("whole D")),
     Mutant("the factor P is missing: dS_ik = P_ik (dP_ik - D_i); without P every score gets the same weight.",
            fn=_softmax_switch("no P factor")),
+    Mutant("the row term is summed down the columns: P is right (row by row), but D_i = sum_j P_ij dP_ij sums "
+           "along axis=1, over the keys of row i, not along axis=0.", fn=_softmax_switch("D down the columns")),
+    Mutant("keepdims is forgotten: np.sum(P * dP, axis=1) has shape (n,), and broadcasting lines it up with the "
+           "last axis (the columns), so it is subtracted from the wrong entries or the shapes do not fit. Keep the "
+           "row axis: np.sum(..., axis=1, keepdims=True), shape (n, 1).", fn=_softmax_switch("no keepdims")),
+    Mutant("P multiplies only the first term: dS = P * (dP - D), so the row term D is weighted by P too, "
+           "not P * dP - D.", fn=_softmax_switch("P on one term")),
 ]
 
 
@@ -355,16 +368,26 @@ def softmax_cases(t: Trial) -> list[Case]:
     for n, m, what in shapes:
         S, dP = 2 * t.rng.standard_normal((n, m)), t.rng.standard_normal((n, m))
         cases.append(Case((S, dP), f"S and dP of shape ({n}, {m}){', ' + what if what else ''}"))
-    n, m = _ints(t, 2, 6, 2)
-    S = 1000.0 + 3 * t.rng.standard_normal((n, m))  # exp(S) overflows: the row max must be subtracted
-    cases.append(Case((S, t.rng.standard_normal((n, m))), f"scores near 1000, shape ({n}, {m})"))
+    return cases
+
+
+def huge_softmax_cases(t: Trial) -> list[Case]:
+    """q3's scores near 1000, where exp(S) overflows unless the row max is subtracted."""
+    cases = []
+    for _ in range(2):
+        n, m = _ints(t, 2, 6, 2)
+        S = 1000.0 + 3 * t.rng.standard_normal((n, m))
+        cases.append(Case((S, t.rng.standard_normal((n, m))), f"scores near 1000, shape ({n}, {m})"))
     return cases
 
 
 @LAB.question("q3", points=2, objects=("softmax_backward",))
 def q3(t: Trial, softmax_backward) -> None:
     """softmax_backward(S, dP) -> dS: the gradient through a row-wise softmax."""
-    t.compare("dS through the softmax's Jacobian", 2, student=softmax_backward, cases=softmax_cases(t),
+    # Forgetting the max subtraction fails only the huge scores: it costs a quarter, not the whole formula.
+    t.compare("dS through the softmax's Jacobian", 1.5, student=softmax_backward, cases=softmax_cases(t),
+              reference=lambda c: _softmax_backward(*c.args), mutants=SOFTMAX_MUTANTS, names=("dS",))
+    t.compare("dS for scores near 1000", 0.5, student=softmax_backward, cases=huge_softmax_cases(t),
               reference=lambda c: _softmax_backward(*c.args), mutants=SOFTMAX_MUTANTS, names=("dS",))
 
 
