@@ -232,3 +232,10 @@ def test_a_softmax_without_the_max_keeps_the_points_of_ordinary_scores():
         wrong = run_question("lab04", "q3", [lab04._softmax_switch("no D")], seed=seed)
         assert r.score == 1.5 and wrong.score == 0 and r.max_score == 2, (r.feedback, wrong.feedback)
         assert "no max subtraction" in r.feedback, r.feedback
+
+
+def test_a_scale_missing_only_in_dk_is_named_as_such():
+    for seed in (1, 2):
+        r = run_question("lab04", "q1", [lab04._switch(unscaled="dK")], seed=seed)
+        assert "[ok  ] dQ" in r.feedback and "the scale is missing in dK (dQ has it)" in r.feedback, r.feedback
+        assert "missing in dQ and dK" not in r.feedback, r.feedback

@@ -326,9 +326,9 @@ class Trial:
         # (student, run, case, expected, rtol, atol): each pass keeps the tolerance it was judged with, so that a
         # mutant is contradicted only where it would have failed that same check.
         self._passes: list[tuple[Any, Callable, Case, tuple, float, float]] = []
-        # (label, student, run, failures, mutants, rtol, atol) of every failing compare part: a mistake named as
-        # likely in one part must not be contradicted by another failing part of the same question.
-        self._failed: list[tuple[str, Any, Callable, list, Sequence[Mutant], float, float]] = []
+        # (label, student, run, failures, mutants, rtol, atol) of every compare part, its failures empty when it
+        # passed: a mistake named as likely in one part must not be contradicted by another part of the question.
+        self._compared: list[tuple[str, Any, Callable, list, Sequence[Mutant], float, float]] = []
         self.diagnoses: list[str] = []  # titles of the mistakes named, filled as the feedback is written
         #: Set by run_question when the code under test calls an earlier answer that fails its own question: the
         #: feedback then says so first and names no mistake of the code under test.
@@ -405,6 +405,7 @@ class Trial:
                 failures.append((case, expected, got))
             else:
                 self._passes.append((student, run, case, expected, rtol, atol))
+        self._compared.append((label, student, run, failures, mutants, rtol, atol))
         if not failures:
             self.parts.append((f"{label} ({n_cases} random inputs)", points, points, ""))
             return True
@@ -412,7 +413,6 @@ class Trial:
         def message() -> str:
             return self._diagnose(failures, self._passes_of(student, run), run, mutants, rtol, atol, names)
 
-        self._failed.append((label, student, run, failures, mutants, rtol, atol))
         self.parts.append((f"{label} (failed {len(failures)} of {n_cases} inputs)", 0.0, points, message))
         return False
 
@@ -517,14 +517,15 @@ class Trial:
         return [(c, e, rt, at) for s, r, c, e, rt, at in self._passes if s is student and r is run]
 
     def _contradicted_in(self, title: str, failures: list) -> str:
-        """The label of another failing part of this question that tested a mutant titled ``title`` whose output
-        differs from the student's on one of that part's failing inputs ("" if none): that mistake cannot be the
-        student's. (Where the mutant is right is checked already: every part's passes count.)"""
-        for label, _student, run, other, mutants, rtol, atol in self._failed:
+        """The label of another part of this question that tested a mutant titled ``title`` and contradicts it
+        ("" if none): the mutant's output differs from the student's on one of that part's failing inputs, or is
+        wrong on one the student got right there. That mistake cannot be the student's."""
+        for label, student, run, other, mutants, rtol, atol in self._compared:
             if other is failures:
                 continue
             same = [m for m in mutants if mistake_title(m.message) == title]
-            if same and not any(self._explains(m, other, (), run, rtol, atol, mutant_wrong=False) for m in same):
+            passes = self._passes_of(student, run)
+            if same and not any(self._explains(m, other, passes, run, rtol, atol, mutant_wrong=False) for m in same):
                 return label
         return ""
 

@@ -46,7 +46,7 @@ MEMORY_POINTS = 6
 def _mutant_backward(Q, K, V, O, L, dO, block_q, block_k, *, use_d=True, d_from_tile=False, grad_scale=1,
                      scale_scores=True, transpose_dk=False, transpose_dv=False, p_from="L", ds_sign=1,
                      scale_dv=False, assign_dq=False, assign_dkv=False, whole_k_tiles=False, whole_q_tiles=False,
-                     l_across=False, keep_tiles=False):
+                     l_across=False, keep_tiles=False, unscaled=""):
     """The lab's K/V-outer tiled backward with one switch per classic mistake (defaults = correct)."""
     n, m = Q.shape[0], K.shape[0]
     scale = 1.0 / np.sqrt(Q.shape[1])
@@ -78,11 +78,12 @@ def _mutant_backward(Q, K, V, O, L, dO, block_q, block_k, *, use_d=True, d_from_
             Di = np.sum(P * dP, axis=1) if d_from_tile else D[q0:q1]
             dS = ds_sign * (P * (dP - Di[:, None]) if use_d else P * dP)
             g = scale ** grad_scale
+            gq, gk = (1.0 if unscaled == "dQ" else g), (1.0 if unscaled == "dK" else g)
             if assign_dq:
-                dQ[q0:q1] = g * dS @ Kj
+                dQ[q0:q1] = gq * dS @ Kj
             else:
-                dQ[q0:q1] += g * dS @ Kj
-            dk_tile = g * (dS @ Qi if transpose_dk else dS.T @ Qi)  # dS @ Qi runs only when the tile is square
+                dQ[q0:q1] += gq * dS @ Kj
+            dk_tile = gk * (dS @ Qi if transpose_dk else dS.T @ Qi)  # dS @ Qi runs only when the tile is square
             dv_tile = (scale if scale_dv else 1.0) * (P @ dOi if transpose_dv else P.T @ dOi)
             if assign_dkv:
                 dKj, dVj = dk_tile, dv_tile
@@ -109,6 +110,10 @@ MUTANTS = [
            "D = rowsum(dO * O), which equals the sum over the whole row.", fn=_switch(d_from_tile=True)),
     Mutant("the scale is missing in dQ and dK: S = scale * Q K^T, so dQ = scale * dS K and dK = scale * dS^T Q.",
            fn=_switch(grad_scale=0)),
+    Mutant("the scale is missing in dK (dQ has it): S = scale * Q K^T, so dK = scale * dS^T Q too.",
+           fn=_switch(unscaled="dK")),
+    Mutant("the scale is missing in dQ (dK has it): S = scale * Q K^T, so dQ = scale * dS K too.",
+           fn=_switch(unscaled="dQ")),
     Mutant("the scale is applied twice in dQ and dK: once is enough (S = scale * Q K^T has one factor).",
            fn=_switch(grad_scale=2)),
     Mutant("the recomputed scores lack the scale: P_ij = exp(scale * Q_i K_j^T - L_i), exactly as in the forward.",
