@@ -516,16 +516,14 @@ class Trial:
         """The inputs ``student`` got right through ``run`` in any part so far, each with its tolerance."""
         return [(c, e, rt, at) for s, r, c, e, rt, at in self._passes if s is student and r is run]
 
-    def _contradicted_in(self, title: str, failures: list) -> str:
-        """The label of another part of this question that tested a mutant titled ``title`` and contradicts it
-        ("" if none): the mutant's output differs from the student's on one of that part's failing inputs, or is
-        wrong on one the student got right there. That mistake cannot be the student's."""
+    def _contradicted_in(self, mutant: Mutant, failures: list) -> str:
+        """The label of another part of this question that tested this same ``mutant`` and contradicts it ("" if
+        none): its output differs from the student's on one of that part's failing inputs, or is wrong on one the
+        student got right there. That mistake cannot be the student's."""
         for label, student, run, other, mutants, rtol, atol in self._compared:
-            if other is failures:
+            if other is failures or not any(m is mutant for m in mutants):
                 continue
-            same = [m for m in mutants if mistake_title(m.message) == title]
-            passes = self._passes_of(student, run)
-            if same and not any(self._explains(m, other, passes, run, rtol, atol, mutant_wrong=False) for m in same):
+            if not self._explains(mutant, other, self._passes_of(student, run), run, rtol, atol, mutant_wrong=False):
                 return label
         return ""
 
@@ -535,10 +533,10 @@ class Trial:
         if self.dependency_note:  # the failures may well be the earlier answer's: no guess about this code
             return text
         explaining = [m for m in mutants if self._explains(m, failures, passes, run, rtol, atol)]
+        contradicted = {id(m): self._contradicted_in(m, failures) for m in explaining}
+        ruled_out = {mistake_title(m.message): contradicted[id(m)] for m in explaining if contradicted[id(m)]}
+        explaining = [m for m in explaining if not contradicted[id(m)]]
         titles = list(dict.fromkeys(mistake_title(m.message) for m in explaining))
-        ruled_out = {title: self._contradicted_in(title, failures) for title in titles}
-        titles = [title for title in titles if not ruled_out[title]]
-        explaining = [m for m in explaining if mistake_title(m.message) in titles]
         if not titles and ruled_out:  # they fit these inputs, but not those another part of the question failed
             known = self._what_is_known(failures, names, rtol, atol)
             known += "".join(f" {title[:1].upper() + title[1:]} fits these inputs but not those of the part "
