@@ -43,6 +43,31 @@ def test_a_mistake_that_explains_only_some_failing_inputs_is_not_printed_as_like
         assert r.diagnoses == []
 
 
+def _merge_inverted_factor(a, b):
+    """A natural wrong merge: the rescale factors are exp(m - m_own) instead of exp(m_own - m)."""
+    m = max(a[0], b[0])
+    if m == -np.inf:
+        return -np.inf, 0.0, 0.0
+    ea, eb = np.exp(m - a[0]), np.exp(m - b[0])
+    return m, ea * a[1] + eb * b[1], ea * a[2] + eb * b[2]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_mistake_contradicted_by_another_part_of_the_question_is_not_named(seed):
+    # An empty side gives nan here, and so does averaging the results (0/0): averaging fits that part alone, but
+    # the two halves it does not explain rule it out.
+    others = [m for m in lab01.MERGE_MUTANTS if "inverted" not in m.message]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lab01, "MERGE_MUTANTS", others)
+        r = run_question("lab01", "q2", [_merge_inverted_factor], seed=seed)
+    assert r.diagnoses == [], r.feedback
+    assert "Likely mistake" not in r.feedback, r.feedback
+    assert "fits these inputs but not those of the part \"two halves\"" in r.feedback, r.feedback
+    # With its own mutant in the list, the inverted factor is named by both parts.
+    r = run_question("lab01", "q2", [_merge_inverted_factor], seed=seed)
+    assert r.feedback.count("Likely mistake") == 2 and r.diagnoses == ["the rescale factor is inverted"], r.feedback
+
+
 def test_what_is_known_names_each_output():
     def o_wrong(Q, K, V, block_q, block_k):
         O, L = lab02._switch()(Q, K, V, block_q, block_k)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from flashlab.grading import available_labs, batch, core, get_lab, lab, lab01, lab02, run_question, sandbox
+from flashlab.grading.known import solution_object
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # CI installs bubblewrap, so there the batch tests grade in the sandbox; elsewhere they say why they could not.
@@ -115,6 +116,21 @@ def test_memory_carries_half_of_lab02_and_is_scored_on_its_own():
     assert r.score == lab02.MEMORY_POINTS and "[ok  ] memory" in r.feedback, r.feedback
     r = run_question("lab02", "q2", [lambda Q, K, V, bq, bk: (np.zeros((len(Q), V.shape[1] + 1)), np.zeros(len(Q)))])
     assert r.score == 0 and "memory not measured" in r.feedback, r.feedback
+
+
+def test_a_forward_that_raises_at_the_memory_size_is_not_measured():
+    forward = solution_object("lab02", "flash_forward")
+
+    def fails_when_large(Q, K, V, block_q, block_k):
+        if len(Q) > 1000:
+            raise MemoryError("Unable to allocate 134 MB")
+        return forward(Q, K, V, block_q, block_k)
+
+    r = run_question("lab02", "q2", [fails_when_large])
+    memory = [line for line in r.feedback.splitlines() if line.startswith("[FAIL] memory")]
+    assert memory and "(not measured: your code raised MemoryError)" in memory[0], r.feedback
+    assert "peak" not in r.feedback and "memory not measured: your code raised MemoryError" in r.feedback, r.feedback
+    assert r.score == lab02.CORRECTNESS_POINTS, r.feedback
 
 
 def test_stub_scores_zero_with_not_implemented():

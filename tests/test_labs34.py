@@ -61,6 +61,13 @@ def test_a_wrong_dq_keeps_the_points_of_dk_dv_and_memory():
     assert "[FAIL] dQ" in r.feedback and "[ok  ] dK" in r.feedback and "[ok  ] dV" in r.feedback
 
 
+def test_a_failing_backward_input_names_its_arguments():
+    r = run_question("lab04", "q1", [lab04._switch(assign_dq=True)], seed=5)
+    shown = r.feedback.split("Smallest failing input", 1)[1].splitlines()[1]
+    assert re.match(r"\s*Q = .*, K = .*, V = .*, O = .*, L = .*, dO = .*, block_q = \d+, block_k = \d+$", shown), shown
+    assert "arg1" not in r.feedback, r.feedback
+
+
 def test_memory_is_half_the_lab_and_scored_whatever_the_gradients():
     lab = lab04.LAB
     assert lab04.MEMORY_POINTS >= lab.max_score / 2
@@ -217,3 +224,18 @@ def test_the_lab04_demo_inputs_come_from_the_forward():
         O_ref, L_ref = reference.attention(Q, K, V)
         assert np.allclose(O, O_ref, atol=1e-14) and np.allclose(L, L_ref, atol=1e-14)
         assert np.allclose(tiled.forward(Q, K, V)[0], O_ref, atol=1e-14)
+
+
+def test_a_softmax_without_the_max_keeps_the_points_of_ordinary_scores():
+    for seed in (1, 2):
+        r = run_question("lab04", "q3", [lab04._softmax_switch("no max")], seed=seed)
+        wrong = run_question("lab04", "q3", [lab04._softmax_switch("no D")], seed=seed)
+        assert r.score == 1.5 and wrong.score == 0 and r.max_score == 2, (r.feedback, wrong.feedback)
+        assert "no max subtraction" in r.feedback, r.feedback
+
+
+def test_a_scale_missing_only_in_dk_is_named_as_such():
+    for seed in (1, 2):
+        r = run_question("lab04", "q1", [lab04._switch(unscaled="dK")], seed=seed)
+        assert "[ok  ] dQ" in r.feedback and "the scale is missing in dK (dQ has it)" in r.feedback, r.feedback
+        assert "missing in dQ and dK" not in r.feedback, r.feedback

@@ -326,6 +326,9 @@ class Trial:
         # (student, run, case, expected, rtol, atol): each pass keeps the tolerance it was judged with, so that a
         # mutant is contradicted only where it would have failed that same check.
         self._passes: list[tuple[Any, Callable, Case, tuple, float, float]] = []
+        # (label, student, run, failures, mutants, rtol, atol) of every compare part, its failures empty when it
+        # passed: a mistake named as likely in one part must not be contradicted by another part of the question.
+        self._compared: list[tuple[str, Any, Callable, list, Sequence[Mutant], float, float]] = []
         self.diagnoses: list[str] = []  # titles of the mistakes named, filled as the feedback is written
         #: Set by run_question when the code under test calls an earlier answer that fails its own question: the
         #: feedback then says so first and names no mistake of the code under test.
@@ -402,13 +405,13 @@ class Trial:
                 failures.append((case, expected, got))
             else:
                 self._passes.append((student, run, case, expected, rtol, atol))
+        self._compared.append((label, student, run, failures, mutants, rtol, atol))
         if not failures:
             self.parts.append((f"{label} ({n_cases} random inputs)", points, points, ""))
             return True
 
         def message() -> str:
-            passes = [(c, e, rt, at) for s, r, c, e, rt, at in self._passes if s is student and r is run]
-            return self._diagnose(failures, passes, run, mutants, rtol, atol, names)
+            return self._diagnose(failures, self._passes_of(student, run), run, mutants, rtol, atol, names)
 
         self.parts.append((f"{label} (failed {len(failures)} of {n_cases} inputs)", 0.0, points, message))
         return False
@@ -441,8 +444,10 @@ class Trial:
                 peak, out = peak_memory(self.call, fn, *_copy(args))
         except (NotImplementedYet, QuestionTimeout):
             raise
-        except Exception as e:
-            return self.expect(label, points, False, f"your code raised {_describe_error(e)}")
+        except Exception as e:  # no peak to report: say so rather than look like a failed measurement
+            self.parts.append((f"{label} (not measured: your code raised {type(e).__name__})", 0.0, points,
+                               f"memory not measured: your code raised {_describe_error(e)}"))
+            return False
         if shapes is not None:
             try:
                 got = [np.shape(o) for o in as_outputs(out)]
@@ -468,9 +473,11 @@ class Trial:
 
     # -- feedback ---------------------------------------------------------------------------------------------
     @staticmethod
-    def _explains(mutant: Mutant, outputs, passes, run, rtol, atol) -> bool:
+    def _explains(mutant: Mutant, outputs, passes, run, rtol, atol, *, mutant_wrong: bool = True) -> bool:
         """Whether ``mutant`` accounts for every failing input (the student's output is the mutant's there, and
-        the mutant's is wrong) and is right on every input the student got right."""
+        the mutant's is wrong) and is right on every input the student got right. With ``mutant_wrong=False``,
+        only whether the student's output is the mutant's on every failing input (the mutant may be right there
+        under its key: it is then merely not contradicted)."""
         key = mutant.key or (lambda out: out)
 
         def mutant_output(case):
@@ -490,7 +497,9 @@ class Trial:
                     continue
                 if isinstance(got, BaseException):
                     return False
-                if allclose(key(wrong), key(expected), rtol, atol) or not allclose(key(got), key(wrong), rtol, atol):
+                if mutant_wrong and allclose(key(wrong), key(expected), rtol, atol):
+                    return False
+                if not allclose(key(got), key(wrong), rtol, atol):
                     return False
             except Exception:
                 return False
@@ -503,13 +512,36 @@ class Trial:
                     return False
         return True
 
+    def _passes_of(self, student: Any, run: Callable) -> list[tuple[Case, tuple, float, float]]:
+        """The inputs ``student`` got right through ``run`` in any part so far, each with its tolerance."""
+        return [(c, e, rt, at) for s, r, c, e, rt, at in self._passes if s is student and r is run]
+
+    def _contradicted_in(self, mutant: Mutant, failures: list) -> str:
+        """The label of another part of this question that tested this same ``mutant`` and contradicts it ("" if
+        none): its output differs from the student's on one of that part's failing inputs, or is wrong on one the
+        student got right there. That mistake cannot be the student's."""
+        for label, student, run, other, mutants, rtol, atol in self._compared:
+            if other is failures or not any(m is mutant for m in mutants):
+                continue
+            if not self._explains(mutant, other, self._passes_of(student, run), run, rtol, atol, mutant_wrong=False):
+                return label
+        return ""
+
     def _diagnose(self, failures, passes, run, mutants, rtol, atol, names) -> str:
         smallest = min(failures, key=lambda f: f[0].size)
         text = self._show_case(*smallest, names, rtol, atol)
         if self.dependency_note:  # the failures may well be the earlier answer's: no guess about this code
             return text
         explaining = [m for m in mutants if self._explains(m, failures, passes, run, rtol, atol)]
+        contradicted = {id(m): self._contradicted_in(m, failures) for m in explaining}
+        ruled_out = {mistake_title(m.message): contradicted[id(m)] for m in explaining if contradicted[id(m)]}
+        explaining = [m for m in explaining if not contradicted[id(m)]]
         titles = list(dict.fromkeys(mistake_title(m.message) for m in explaining))
+        if not titles and ruled_out:  # they fit these inputs, but not those another part of the question failed
+            known = self._what_is_known(failures, names, rtol, atol)
+            known += "".join(f" {title[:1].upper() + title[1:]} fits these inputs but not those of the part "
+                             f"\"{other}\", so it is not the mistake." for title, other in ruled_out.items())
+            return f"{known.strip()}\n{text}"
         if len(titles) == 1:
             self.diagnoses.append(titles[0])
             how = "the failing input" if len(failures) == 1 else f"all {len(failures)} failing inputs"

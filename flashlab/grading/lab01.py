@@ -261,6 +261,14 @@ def _merge_swapped_weights(a, b):
     return m, wa * a[1] + wb * b[1], wa * a[2] + wb * b[2]
 
 
+def _merge_inverted_rescale(a, b):
+    m = max(a[0], b[0])
+    if m == -np.inf:
+        return m, 0.0, a[2] + b[2]
+    wa, wb = np.exp(m - a[0]), np.exp(m - b[0])  # upside down: >= 1, and inf for an empty side (inf * 0 = nan)
+    return m, wa * a[1] + wb * b[1], wa * a[2] + wb * b[2]
+
+
 def _merge_min(a, b):
     m = min(a[0], b[0])
     wa, wb = np.exp(a[0] - m), np.exp(b[0] - m)
@@ -304,6 +312,11 @@ MERGE_MUTANTS = [
         "the two weights are swapped: state a is rescaled by exp(m_a - m) and state b by exp(m_b - m), each by its "
         "own max.",
         fn=_merge_swapped_weights,
+    ),
+    Mutant(
+        "the rescale factor is inverted: each state is multiplied by exp(m_own - m), at most 1 (and 0 for an empty "
+        "side); exp(m - m_own) grows instead, and is inf for an empty side (inf * 0 = nan).",
+        fn=_merge_inverted_rescale,
     ),
     Mutant(
         "the merged max is the smaller one: m = max(m_a, m_b), so that no factor exp(m_own - m) exceeds 1 (with "

@@ -46,7 +46,7 @@ MEMORY_POINTS = 6
 def _mutant_backward(Q, K, V, O, L, dO, block_q, block_k, *, use_d=True, d_from_tile=False, grad_scale=1,
                      scale_scores=True, transpose_dk=False, transpose_dv=False, p_from="L", ds_sign=1,
                      scale_dv=False, assign_dq=False, assign_dkv=False, whole_k_tiles=False, whole_q_tiles=False,
-                     l_across=False, keep_tiles=False):
+                     l_across=False, keep_tiles=False, unscaled=""):
     """The lab's K/V-outer tiled backward with one switch per classic mistake (defaults = correct)."""
     n, m = Q.shape[0], K.shape[0]
     scale = 1.0 / np.sqrt(Q.shape[1])
@@ -78,11 +78,12 @@ def _mutant_backward(Q, K, V, O, L, dO, block_q, block_k, *, use_d=True, d_from_
             Di = np.sum(P * dP, axis=1) if d_from_tile else D[q0:q1]
             dS = ds_sign * (P * (dP - Di[:, None]) if use_d else P * dP)
             g = scale ** grad_scale
+            gq, gk = (1.0 if unscaled == "dQ" else g), (1.0 if unscaled == "dK" else g)
             if assign_dq:
-                dQ[q0:q1] = g * dS @ Kj
+                dQ[q0:q1] = gq * dS @ Kj
             else:
-                dQ[q0:q1] += g * dS @ Kj
-            dk_tile = g * (dS @ Qi if transpose_dk else dS.T @ Qi)  # dS @ Qi runs only when the tile is square
+                dQ[q0:q1] += gq * dS @ Kj
+            dk_tile = gk * (dS @ Qi if transpose_dk else dS.T @ Qi)  # dS @ Qi runs only when the tile is square
             dv_tile = (scale if scale_dv else 1.0) * (P @ dOi if transpose_dv else P.T @ dOi)
             if assign_dkv:
                 dKj, dVj = dk_tile, dv_tile
@@ -109,6 +110,10 @@ MUTANTS = [
            "D = rowsum(dO * O), which equals the sum over the whole row.", fn=_switch(d_from_tile=True)),
     Mutant("the scale is missing in dQ and dK: S = scale * Q K^T, so dQ = scale * dS K and dK = scale * dS^T Q.",
            fn=_switch(grad_scale=0)),
+    Mutant("the scale is missing in dK (dQ has it): S = scale * Q K^T, so dK = scale * dS^T Q too.",
+           fn=_switch(unscaled="dK")),
+    Mutant("the scale is missing in dQ (dK has it): S = scale * Q K^T, so dQ = scale * dS K too.",
+           fn=_switch(unscaled="dQ")),
     Mutant("the scale is applied twice in dQ and dK: once is enough (S = scale * Q K^T has one factor).",
            fn=_switch(grad_scale=2)),
     Mutant("the recomputed scores lack the scale: P_ij = exp(scale * Q_i K_j^T - L_i), exactly as in the forward.",
@@ -216,13 +221,16 @@ def _shapes_problem(t: Trial, flash_backward, case: Case) -> str:
     return ""
 
 
+BACKWARD_ARGS = ("Q", "K", "V", "O", "L", "dO", "block_q", "block_k")
+
+
 @LAB.question("q1", points=3 + MEMORY_POINTS, objects=("flash_backward",))
 def q1(t: Trial, flash_backward) -> None:
     """flash_backward(Q, K, V, O, L, dO, block_q, block_k) -> (dQ, dK, dV), recomputing P from L."""
     cases = backward_cases(t)
     for i, name in enumerate(GRADIENTS):
         t.compare(name, 1, student=flash_backward, cases=cases, reference=lambda c, i=i: _truth(c)[i],
-                  run=_gradient(i), mutants=MUTANTS, names=(name,))
+                  run=_gradient(i), mutants=MUTANTS, names=(name,), arg_names=BACKWARD_ARGS)
 
     b = int(t.rng.choice(MEMORY_BLOCKS))
     label = f"memory: never holds an n x m matrix (n = m = {MEMORY_N}, blocks {b} x {b})"
@@ -308,6 +316,12 @@ def _softmax_mutant(S, dP, *, mistake):
         return P * (dP - np.sum(P * dP))
     if mistake == "no P factor":
         return dP - np.sum(P * dP, axis=1, keepdims=True)
+    if mistake == "D down the columns":
+        return P * (dP - np.sum(P * dP, axis=0, keepdims=True))
+    if mistake == "no keepdims":
+        return P * (dP - np.sum(P * dP, axis=1))
+    if mistake == "P on one term":
+        return P * dP - np.sum(P * dP, axis=1, keepdims=True)
     raise ValueError(mistake)
 
 
@@ -341,6 +355,13 @@ SOFTMAX_MUTANTS = [
            "(keepdims=True along axis=1), not one number for all rows.", fn=_softmax_switch("whole D")),
     Mutant("the factor P is missing: dS_ik = P_ik (dP_ik - D_i); without P every score gets the same weight.",
            fn=_softmax_switch("no P factor")),
+    Mutant("the row term is summed down the columns: P is right (row by row), but D_i = sum_j P_ij dP_ij sums "
+           "along axis=1, over the keys of row i, not along axis=0.", fn=_softmax_switch("D down the columns")),
+    Mutant("keepdims is forgotten: np.sum(P * dP, axis=1) has shape (n,), and broadcasting lines it up with the "
+           "last axis (the columns), so it is subtracted from the wrong entries or the shapes do not fit. Keep the "
+           "row axis: np.sum(..., axis=1, keepdims=True), shape (n, 1).", fn=_softmax_switch("no keepdims")),
+    Mutant("P multiplies only the first term: dS = P * (dP - D), so the row term D is weighted by P too, "
+           "not P * dP - D.", fn=_softmax_switch("P on one term")),
 ]
 
 
@@ -352,16 +373,26 @@ def softmax_cases(t: Trial) -> list[Case]:
     for n, m, what in shapes:
         S, dP = 2 * t.rng.standard_normal((n, m)), t.rng.standard_normal((n, m))
         cases.append(Case((S, dP), f"S and dP of shape ({n}, {m}){', ' + what if what else ''}"))
-    n, m = _ints(t, 2, 6, 2)
-    S = 1000.0 + 3 * t.rng.standard_normal((n, m))  # exp(S) overflows: the row max must be subtracted
-    cases.append(Case((S, t.rng.standard_normal((n, m))), f"scores near 1000, shape ({n}, {m})"))
+    return cases
+
+
+def huge_softmax_cases(t: Trial) -> list[Case]:
+    """q3's scores near 1000, where exp(S) overflows unless the row max is subtracted."""
+    cases = []
+    for _ in range(2):
+        n, m = _ints(t, 2, 6, 2)
+        S = 1000.0 + 3 * t.rng.standard_normal((n, m))
+        cases.append(Case((S, t.rng.standard_normal((n, m))), f"scores near 1000, shape ({n}, {m})"))
     return cases
 
 
 @LAB.question("q3", points=2, objects=("softmax_backward",))
 def q3(t: Trial, softmax_backward) -> None:
     """softmax_backward(S, dP) -> dS: the gradient through a row-wise softmax."""
-    t.compare("dS through the softmax's Jacobian", 2, student=softmax_backward, cases=softmax_cases(t),
+    # Forgetting the max subtraction fails only the huge scores: it costs a quarter, not the whole formula.
+    t.compare("dS through the softmax's Jacobian", 1.5, student=softmax_backward, cases=softmax_cases(t),
+              reference=lambda c: _softmax_backward(*c.args), mutants=SOFTMAX_MUTANTS, names=("dS",))
+    t.compare("dS for scores near 1000", 0.5, student=softmax_backward, cases=huge_softmax_cases(t),
               reference=lambda c: _softmax_backward(*c.args), mutants=SOFTMAX_MUTANTS, names=("dS",))
 
 
