@@ -563,9 +563,10 @@ def test_gpu_emulation_agrees_with_the_kernel(rng):
     for case in cases:
         assert lab06.same(run("attn_lab", case), emulate("solution", case)), case.label
         for mu in lab06.MUTANTS:
-            if mu.tag in ("no_max", "no_max_at_all", "p_without_max") and "huge" in case.label:
-                continue  # sums overflowing near 3.4e38: a fused multiply-add may round where NumPy overflows
-            assert lab06.same(run(f"attn_{mu.tag}", case), emulate(mu.tag, case)), (mu.tag, case.label)
+            emulated = emulate(mu.tag, case)
+            if "huge" in case.label and not np.isfinite(emulated[0]).all():
+                continue  # overflowing near 3.4e38: a fused multiply-add may round where NumPy overflows
+            assert lab06.same(run(f"attn_{mu.tag}", case), emulated), (mu.tag, case.label)
 
 
 @pytest.mark.gpu
