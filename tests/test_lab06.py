@@ -563,10 +563,16 @@ def test_gpu_emulation_agrees_with_the_kernel(rng):
     for case in cases:
         assert lab06.same(run("attn_lab", case), emulate("solution", case)), case.label
         for mu in lab06.MUTANTS:
-            emulated = emulate(mu.tag, case)
-            if "huge" in case.label and not np.isfinite(emulated[0]).all():
+            emulated, got = emulate(mu.tag, case), run(f"attn_{mu.tag}", case)
+            if "huge" in case.label and (_overflows(emulated) or _overflows(got)):
                 continue  # overflowing near 3.4e38: a fused multiply-add may round where NumPy overflows
-            assert lab06.same(run(f"attn_{mu.tag}", case), emulated), (mu.tag, case.label)
+            assert lab06.same(got, emulated), (mu.tag, case.label)
+
+
+def _overflows(out) -> bool:
+    """O not finite, or an L of +inf or nan (-inf is a row that saw no key, not an overflow)."""
+    O, L = (np.asarray(x, dtype=np.float64) for x in out)
+    return not np.isfinite(O).all() or bool(np.isnan(L).any() or np.isposinf(L).any())
 
 
 @pytest.mark.gpu
