@@ -75,6 +75,8 @@ def _random_splits(t: Trial, k: int, nblocks: int | None = None) -> list[int]:
 # --------------------------------------------------------------------------------------------------- mutants
 def _update_no_rescale(m, l, u, s, v):
     m2 = max(m, np.max(s))
+    if m2 == -np.inf:  # the guard kept: a learner who forgets the rescale usually has the rest right
+        return m, l, u
     p = np.exp(s - m2)
     return m2, l + p.sum(), u + p @ v
 
