@@ -120,7 +120,7 @@ def test_an_unknown_mistake_shows_the_failing_input_and_names_nothing():
 
     r = run_question("lab07", "q2", [doubled], seed=4)
     assert r.score == 0 and r.diagnoses == [] and "Smallest failing input" in r.feedback
-    assert "l_new: expected" in r.feedback and "p: correct" in r.feedback
+    assert "l_new: largest difference" in r.feedback and "p: correct" in r.feedback
 
 
 def test_chapter_9_reports_a_lab07_mistake_with_its_demo():
