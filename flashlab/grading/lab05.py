@@ -126,8 +126,6 @@ UPDATE_MUTANTS = [
            explains=_emulated(alpha_flipped=True)),
     Mutant("the max is updated before alpha is computed: alpha = exp(m_i - m_new) is then always 1 and nothing is "
            "rescaled. Compute alpha with the old max, then set m_i = m_new.", explains=_emulated(max_first=True)),
-    Mutant("the last ragged tile is skipped: loop k0 over range(0, m, BLOCK_K), so the last, shorter tile is "
-           "processed too.", explains=_emulated(drop_ragged=True)),
 ]
 
 
@@ -478,10 +476,6 @@ KNOWN_MISTAKES = KnownMistakes(
         ],
         ("q1", "the max is updated before alpha"): [
             HandWritten("m_i = m_new before alpha", _kernel(("alpha = math.exp(m_i - m_new)", _MAX_FIRST))),
-        ],
-        ("q1", "the last ragged tile is skipped"): [
-            HandWritten("k0 over full tiles only",
-                        _kernel(("range(0, m, BLOCK_K)", "range(0, m - m % BLOCK_K, BLOCK_K)"))),
         ],
         ("q1", "shared tiles in a lower precision"): [
             HandWritten("float32 shared tiles", _kernel(("shared.array((BLOCK_K, D), float64)",
