@@ -251,8 +251,19 @@ def _stub(name: str, indent: str) -> list[str]:
             f"{indent}raise AnswerCalled({name!r})  # the course's answer is not part of this copy\n"]
 
 
+#: Held around ``ast`` work in the grader's threads (batch grading runs submissions in parallel threads):
+#: CPython 3.11's AST conversion keeps a process-wide recursion count, and two threads at once corrupt it
+#: ("SystemError: AST constructor recursion depth mismatch").
+AST_LOCK = threading.RLock()
+
+
 def _strip_functions(source: str, targets: dict[str, str], where: str) -> str:
     """``source`` with the bodies (docstrings included) of the module-level functions in ``targets`` replaced."""
+    with AST_LOCK:
+        return _strip_functions_locked(source, targets, where)
+
+
+def _strip_functions_locked(source: str, targets: dict[str, str], where: str) -> str:
     tree = ast.parse(source)
     lines = source.splitlines(keepends=True)
     found = {}
