@@ -55,7 +55,7 @@ def test_chapters_1_to_5_are_the_five_expected():
 # --- references a student can follow ----------------------------------------------------------------------------
 
 UNFOLLOWABLE = [
-    (r"source notes?", "a note the student cannot see"),
+    (r"\b(?:our|the course's|private) (?:own )?notes?\b", "notes the reader cannot open"),
     (r"\bseed'?s\b|\bthe seed\b", "'the seed' as a source"),
     (r"""claim\(\s*["'](?:ru|es)\b""", "a cryptic claim tag"),
     (r"\b(?:ru|es) (?:§|P\d|pet project|thesis)", "a cryptic section reference"),

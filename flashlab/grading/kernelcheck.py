@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import remote, sandbox
+from .memprobe import _strip_magics
 
 #: Names a kernel's source may use without defining them: what the probe's namespace provides...
 PROVIDED = frozenset({"cuda", "math", "np", "numpy", "numba", "float64", "float32", "float16", "int32", "int64",
@@ -63,10 +64,6 @@ _IMPORTS = {"math": "math", "numpy": "np", "numba": "numba", "numba.cuda": "cuda
 
 class KernelRejected(Exception):
     """The factory's source uses something a Numba CUDA kernel cannot; the message says what and where."""
-
-
-def _strip_magics(source: str) -> str:
-    return "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!")))
 
 
 def _module_statements(cells: Sequence[str]) -> list[ast.stmt]:
