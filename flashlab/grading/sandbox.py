@@ -388,22 +388,34 @@ def process_tree(root: int) -> list[int]:
     return found
 
 
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def stop(proc: subprocess.Popen) -> None:
     """Kill a process from :func:`popen` and everything it started (sandboxed: every process inside), and reap it.
 
     Unsandboxed, a process that left the group (a Jupyter kernel starts a session of its own) is still found as
     a descendant of the one the caller started: the ids come from the tree under our own child, never a file;
     only what double-forked away before this call (adopted by init) escapes, as said of the unsandboxed mode."""
-    for _ in range(5):  # a process may fork between the scan and the kill: scan again until none is left
-        below = process_tree(proc.pid)[1:] if proc.returncode is None else []
-        if not below:
-            break
-        for pid in below:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-    _kill_group(proc)  # sandboxed: the sandbox's leader, whose death ends every process inside
+    if proc.returncode is None:
+        # Stop every process first (a stopped process cannot fork, so the scan settles), then kill the leader
+        # before the others: killed first, an inner process would let the leader exit on its own with 128 + 9,
+        # and a run we ended must read as ended by our signal (a negative return code).
+        held: set[int] = set()
+        for _ in range(5):
+            new = [pid for pid in process_tree(proc.pid) if pid not in held]
+            if not new:
+                break
+            for pid in new:
+                _signal(pid, signal.SIGSTOP)
+            held.update(new)
+        _kill_group(proc)  # sandboxed: the sandbox's leader, whose death ends every process inside
+        for pid in held - {proc.pid}:
+            _signal(pid, signal.SIGKILL)
     proc.wait()
 
 
