@@ -277,7 +277,7 @@ def self_assessment() -> Quiz:
                 feedback={
                     "A": "FlashAttention does slightly more FLOPs (recomputation) and still wins: FLOPs were not "
                          "the limit",
-                    "B": "the approximations of chapter 10's history cut FLOPs and often did not run faster",
+                    "B": "the approximations of chapter 11's history cut FLOPs and often did not run faster",
                     "D": "chapters 2 and 5 gain from the same idea in NumPy and Numba: the lesson is where the cost "
                          "is, not the language",
                 },
