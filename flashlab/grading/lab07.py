@@ -14,7 +14,8 @@ import numpy as np
 
 from .. import fragments
 from ..fragments import shfl_xor
-from .core import Case, Lab, Mutant, NotImplementedYet, Trial, allclose, as_outputs, fmt, mistake_title
+from .core import (Case, Lab, Mutant, NotImplementedYet, Trial, allclose, as_outputs, fmt, mistake_title,
+                   parameter_names)
 from .known import Demo, KnownMistakes
 
 LAB = Lab("lab07", "The tensor cores, practised")
@@ -357,7 +358,7 @@ def q2(t: Trial, softmax_tile) -> None:
             return out
 
         if not t.compare(label, points, student=recorded, cases=cases, reference=ref, mutants=SOFTMAX_MUTANTS,
-                         names=_SOFTMAX_NAMES):
+                         names=_SOFTMAX_NAMES, arg_names=parameter_names(softmax_tile) or ("s", "m", "l", "o")):
             _add_feedback(t, lambda returned=returned: _lane_differences(returned))
 
 
