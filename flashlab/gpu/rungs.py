@@ -16,6 +16,7 @@ Command line (rungs by number, file name, stem, a unique stem prefix such as ``b
 
     python -m flashlab.gpu.rungs list           # every kernel file and the one line of what it changes
     python -m flashlab.gpu.rungs diff 8 9       # unified diff between two files (-U N lines of context)
+    python -m flashlab.gpu.rungs loop bwd_r3    # a file's main loop; with a second file, the diff of that loop
     python -m flashlab.gpu.rungs helpers        # which files share each helper, and where copies differ
 """
 
@@ -134,6 +135,50 @@ def rung_diff(a: str, b: str, context: int = 3) -> str:
     lines = difflib.unified_diff(pa.read_text().splitlines(keepends=True), pb.read_text().splitlines(keepends=True),
                                  fromfile=pa.name, tofile=pb.name, n=context)
     return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
+
+
+# ------------------------------------------------------------------------------------------------ main loops
+# A loop at the top level of a function body (four spaces in): the kernels are written so, and nothing else is.
+_TOP_FOR = re.compile(r"^    for \(.*\{\s*(//.*)?$")
+
+
+def main_loop(spec: str) -> tuple[int, int]:
+    """First and last line (1-based) of a kernel file's main loop: the longest loop at the top level of a function
+    body. For the forward rungs it is the loop over key tiles; for the backward, the loop over the query tiles of a
+    block's keys (over the heads of its group first, in ``bwd_r1`` and ``bwd_r2``); for decoding, over a split's
+    keys."""
+    lines = resolve(spec).read_text().splitlines()
+    loops = []
+    for i, line in enumerate(lines):
+        if _TOP_FOR.match(line):
+            end = lines.index("    }", i)  # the body is indented further: the first brace back at four spaces
+            loops.append((end - i, i + 1, end + 1))
+    if not loops:
+        raise ValueError(f"{resolve(spec).name} has no loop at the top level of a function")
+    return max(loops)[1:]
+
+
+def loop_source(spec: str) -> str:
+    """The text of a kernel file's main loop (:func:`main_loop`)."""
+    first, last = main_loop(spec)
+    return "\n".join(resolve(spec).read_text().splitlines()[first - 1:last]) + "\n"
+
+
+_HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@")
+
+
+def loop_hunks(a: str, b: str, context: int = 1) -> list[str]:
+    """The lines of :func:`rung_diff` from ``a`` to ``b`` in the hunks that touch ``b``'s main loop: what a rung
+    changes in the loop, without its header comment or helpers."""
+    first, last = main_loop(b)
+    kept, keep = [], False
+    for line in rung_diff(a, b, context=context).splitlines():
+        if h := _HUNK.match(line):
+            start = int(h[1])
+            keep = start <= last and start + int(h[2] or 1) - 1 >= first
+        if keep:
+            kept.append(line)
+    return kept
 
 
 # ----------------------------------------------------------------------------------------------- the helpers
@@ -257,7 +302,7 @@ def helpers_report() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m flashlab.gpu.rungs list | diff A B [-U N] | helpers``; ``helpers`` exits 1 on a difference
+    """``python -m flashlab.gpu.rungs list | diff A B [-U N] | loop A [B] | helpers``; ``helpers`` exits 1 on a difference
     that KNOWN_VARIANTS does not explain."""
     parser = argparse.ArgumentParser(prog="python -m flashlab.gpu.rungs", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -266,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("a")
     d.add_argument("b")
     d.add_argument("-U", "--context", type=int, default=3, help="lines of context (default 3)")
+    lp = sub.add_parser("loop", help="a kernel file's main loop, or (two files) the diff hunks that touch it")
+    lp.add_argument("a")
+    lp.add_argument("b", nargs="?")
     sub.add_parser("helpers", help="which files share each device helper, and where copies differ")
     args = parser.parse_args(argv)
     if args.command == "list":
@@ -273,6 +321,13 @@ def main(argv: list[str] | None = None) -> int:
         width = max(len(f) for f, _, _ in rows)
         for file, name, text in rows:
             print(f"{file:<{width}}  {name:<11} {text}")
+        return 0
+    if args.command == "loop":
+        try:
+            text = loop_source(args.a) if args.b is None else "\n".join(loop_hunks(args.a, args.b)) + "\n"
+        except ValueError as e:
+            parser.error(str(e))
+        sys.stdout.write(text)
         return 0
     if args.command == "diff":
         try:
