@@ -302,8 +302,8 @@ def helpers_report() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m flashlab.gpu.rungs list | diff A B [-U N] | loop A [B] | helpers``; ``helpers`` exits 1 on a difference
-    that KNOWN_VARIANTS does not explain."""
+    """``python -m flashlab.gpu.rungs list | diff A B [-U N] | loop A [B] | helpers``; ``helpers`` exits 1 on a
+    difference that KNOWN_VARIANTS does not explain."""
     parser = argparse.ArgumentParser(prog="python -m flashlab.gpu.rungs", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="every kernel file and what it changes")
@@ -324,7 +324,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "loop":
         try:
-            text = loop_source(args.a) if args.b is None else "\n".join(loop_hunks(args.a, args.b)) + "\n"
+            if args.b is None:
+                text = loop_source(args.a)
+            else:
+                text = "\n".join(loop_hunks(args.a, args.b)) + "\n"
         except ValueError as e:
             parser.error(str(e))
         sys.stdout.write(text)
