@@ -411,3 +411,24 @@ def test_lab08_on_a_t4_says_why_the_merge_is_not_run_on_the_kernels_partials(lea
     assert f"Not run here: {why}." in printed and "sm_75" in why
     released = ROOT / "labs" / LAB08.name
     assert text(cell_by_id(released, "65a0ad32")) == text(cell_by_id(LAB08, "65a0ad32"))
+
+
+def test_chapter8_shows_its_kernels_main_loops_not_their_header_comments():
+    from flashlab.gpu import decoding
+
+    ns: dict = {}
+    run_cells(CH8, ["dc4264cb"], ns)
+    shown = {"1cd34709": gbwd.KERNEL_FILE, "1fd08763": gbwd.MMA_FILE, "a23fbb31": gbwd.PIPE_FILE,
+             "5157abcf": decoding.KERNEL_FILE, "baa58f58": decoding.KEYS_FILE}
+    ns["report"] = lambda path: None  # ptxas's report is another test's business
+    for cell_id, file in shown.items():
+        printed = run_cells(CH8, [cell_id], ns)
+        header = (fgpu.KERNEL_DIR / file).read_text().split("\n\n")[0]
+        assert not any(line in printed for line in header.splitlines() if len(line) > 20), (cell_id, file)
+        if cell_id == "a23fbb31":  # the third kernel as a diff of the loop from the second's
+            hunks = rungs.loop_hunks(gbwd.MMA_FILE, file, ignore_indent=True)
+            assert printed.startswith("\n".join(hunks)) and any(line.startswith("+") and "prefetch" in line
+                                                                 for line in hunks)
+            assert len(hunks) < len(rungs.loop_hunks(gbwd.MMA_FILE, file))  # indentation alone is not shown
+        else:
+            assert rungs.loop_source(file) in printed + "\n", (cell_id, file)

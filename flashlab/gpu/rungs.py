@@ -28,6 +28,7 @@ import difflib
 import pathlib
 import re
 import sys
+from collections.abc import Callable, Iterable, Iterator
 
 from . import KERNEL_DIR, RUNGS
 
@@ -167,12 +168,33 @@ def loop_source(spec: str) -> str:
 _HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@")
 
 
-def loop_hunks(a: str, b: str, context: int = 1) -> list[str]:
+def _hunks(a: list[str], b: list[str], context: int, same: Callable[[str], str]) -> Iterator[str]:
+    """Unified-diff hunks (no file lines) from lines ``a`` to lines ``b``, lines compared as ``same(line)``; an
+    unchanged line is printed as ``b`` has it."""
+    matcher = difflib.SequenceMatcher(None, [same(x) for x in a], [same(x) for x in b], autojunk=False)
+    for group in matcher.get_grouped_opcodes(context):
+        (_, i1, _, j1, _), (_, _, i2, _, j2) = group[0], group[-1]
+        yield f"@@ -{i1 + 1},{i2 - i1} +{j1 + 1},{j2 - j1} @@"
+        for tag, a1, a2, b1, b2 in group:
+            if tag == "equal":
+                yield from (" " + x for x in b[b1:b2])
+            else:
+                yield from ("-" + x for x in a[a1:a2])
+                yield from ("+" + x for x in b[b1:b2])
+
+
+def loop_hunks(a: str, b: str, context: int = 1, ignore_indent: bool = False) -> list[str]:
     """The lines of :func:`rung_diff` from ``a`` to ``b`` in the hunks that touch ``b``'s main loop: what a rung
-    changes in the loop, without its header comment or helpers."""
+    changes in the loop, without its header comment or helpers. ``ignore_indent``: lines that differ only in their
+    indentation count as unchanged (a loop nest flattened into one loop then shows only what it changed)."""
     first, last = main_loop(b)
+    if ignore_indent:
+        old, new = (resolve(x).read_text().splitlines() for x in (a, b))
+        diff: Iterable[str] = _hunks(old, new, context, str.strip)
+    else:
+        diff = rung_diff(a, b, context=context).splitlines()
     kept, keep = [], False
-    for line in rung_diff(a, b, context=context).splitlines():
+    for line in diff:
         if h := _HUNK.match(line):
             start = int(h[1])
             keep = start <= last and start + int(h[2] or 1) - 1 >= first
