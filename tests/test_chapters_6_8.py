@@ -11,6 +11,7 @@ import math
 import pathlib
 import re
 
+import numpy as np
 import pytest
 
 from flashlab import gpu as fgpu
@@ -157,8 +158,6 @@ def test_no_claim_of_one_change_per_file_or_of_a_hopper_rung_to_come():
 # --- chapter 8 ---------------------------------------------------------------------------------------------------
 
 def test_chapter8_counts_dq_atomics_with_the_default_kernels_block():
-    import numpy as np
-
     from flashlab.bench import forward
     ns = {"math": math, "np": np, "gbwd": gbwd, "forward": forward}
     printed = run_cells(CH8, ["69df3408"], ns)
@@ -305,7 +304,8 @@ def test_chapter6_runs_rungs_1_and_2_live_on_a_t4(learner_gpu):
     printed = run_cells(CH6, ["100fee57", "3778a03c"], ns)
     assert f"GPU: {T4}" in printed
     bench = ns["forward"] = Bench()
-    printed = run_cells(CH6, ["9867938a", "4a5af0d9"], ns)
+    with np.errstate(invalid="ignore"):  # the launches are recorded, not run: o is left uninitialised
+        printed = run_cells(CH6, ["9867938a", "4a5af0d9"], ns)
     assert "Not run live" not in printed and printed.count("max |o - reference|") == 2
     assert launches == [("r1_scalar.cu", "attn_fwd_f32_d64"), ("r2_smem_tiles.cu", "attn_fwd_f32_d64")]
     assert len(bench.calls) == 1 and bench.calls[0][:4] == ["--impls", "cupy_naive", "scalar", "smem_tiles"]
@@ -432,3 +432,30 @@ def test_chapter8_shows_its_kernels_main_loops_not_their_header_comments():
             assert len(hunks) < len(rungs.loop_hunks(gbwd.MMA_FILE, file))  # indentation alone is not shown
         else:
             assert rungs.loop_source(file) in printed + "\n", (cell_id, file)
+
+
+# --- chapter 9 on lab 06: the mistakes without the lab's answer ---------------------------------------------------
+
+@pytest.mark.slow
+def test_chapter9_shows_lab06_mistakes_without_the_labs_loop_body():
+    from flashlab import mistakes
+
+    ch9 = next((ROOT / "notebooks").glob("09_*.ipynb"))
+    assert "Read this chapter after the labs." in text(cells(ch9)[0])
+    ns: dict = {}
+    printed = run_cells(ch9, ["14aa7970", "94aa9634"], ns)
+    shown = [m for m in ns["book"].shown if m.lab_id == "lab06"]
+    assert shown and shown == mistakes.catalogue(["lab06"])  # every one, once
+    lines = {line.strip() for line in printed.splitlines()}
+    assert "The code, right (-) and wrong (+):" not in lines
+    for m in shown:
+        right, wrong = mistakes.known("lab06").sources(m.mutant)
+        code = [re.sub(r"\s*//.*$", "", line).strip() for line in right.splitlines()]
+        wrong_lines = {re.sub(r"\s*//.*$", "", line).strip() for line in wrong.splitlines()}
+        answer = [line for line in code if len(line) > 8 and line not in wrong_lines]  # the lines the mistake changed
+        unchanged = [line for line in code if len(line) > 8 and line in wrong_lines and line not in answer]
+        assert not any(line in lines for line in answer), (m.title, answer)
+        report = printed.split(m.title, 1)[1]
+        report = report[:report.find("lab06 q", 1)] if "lab06 q" in report else report
+        assert not any(line in {x.strip() for x in report.splitlines()} for line in unchanged), m.title
+    assert printed.count("The wrong lines") + printed.count("leaves a line out") == len(shown)
