@@ -459,3 +459,14 @@ def test_chapter9_shows_lab06_mistakes_without_the_labs_loop_body():
         report = report[:report.find("lab06 q", 1)] if "lab06 q" in report else report
         assert not any(line in {x.strip() for x in report.splitlines()} for line in unchanged), m.title
     assert printed.count("The wrong lines") + printed.count("leaves a line out") == len(shown)
+
+
+def test_lab06_answer_on_overflow_uses_float32s_limit():
+    lab06 = ROOT / "solutions" / "lab06_cuda_online_softmax.ipynb"
+    body = text(next(c for c in cells(lab06) if text(c).startswith("## Check yourself")))
+    answers = body.split("<summary>Answers</summary>")[1]
+    assert len(re.findall(r"^\d+\. ", answers, re.M)) == len(re.findall(r"^\d+\. ", body.split("<details>")[0], re.M))
+    limit = math.log(np.finfo(np.float32).max)  # where expf overflows
+    assert f"> {limit:.1f}" in answers and f"q·k above about {round(limit * math.sqrt(64))}" in answers
+    released = ROOT / "labs" / lab06.name
+    assert answers in text(next(c for c in cells(released) if text(c).startswith("## Check yourself")))
