@@ -14,8 +14,7 @@ import numpy as np
 
 from .. import fragments
 from ..fragments import shfl_xor
-from .core import (Case, Lab, Mutant, NotImplementedYet, Trial, allclose, as_outputs, fmt, mistake_title,
-                   parameter_names)
+from .core import Case, Lab, Mutant, NotImplementedYet, Trial, allclose, as_outputs, fmt, mistake_title, parameter_names
 from .known import Demo, KnownMistakes
 
 LAB = Lab("lab07", "The tensor cores, practised")
@@ -240,15 +239,45 @@ def _softmax_switch(**flags):
     return softmax_tile
 
 
+# Every set of shfl_xor offsets a learner may reduce with; a quad needs exactly {1, 2} (in either order).
+_OFFSET_SETS = [tuple(o for i, o in enumerate((1, 2, 4, 8, 16)) if bits >> i & 1) for bits in range(32)]
+_WRONG_SETS = [o for o in _OFFSET_SETS if set(o) != {1, 2}]
+_WHOLE_WARP, _HALF_QUAD = (16, 8, 4, 2, 1), (1,)
+
+
+def _lanes_explain(max_sets, sum_sets):
+    """``explains`` for reductions over the wrong lanes: the student's outputs are those of some pair (offsets of
+    the max, offsets of the sum) from ``max_sets`` x ``sum_sets`` (``None`` in ``sum_sets``: the same as the max's)
+    on this input."""
+    def explains(case, got, expected):
+        for mo in max_sets:
+            for so in sum_sets:
+                variant = _softmax_variant(*case.args, offsets=mo, sum_offsets=mo if so is None else so)
+                if allclose(got, variant):
+                    return True
+        return False
+
+    return explains
+
+
 SOFTMAX_MUTANTS = [
-    Mutant("the row max and sum are reduced over the wrong lanes (shfl_xor with 4 and 8): those lanes hold other "
-           "rows. The 4 lanes of a quad (same g = lane // 4) hold one row's values: reduce with offsets 1 and 2.",
-           fn=_softmax_switch(offsets=(4, 8))),
+    Mutant("the row max and sum are reduced over the wrong lanes (such as offsets 4 and 8): those lanes hold "
+           "other rows. The 4 lanes of a quad (same g = lane // 4) hold one row's values: reduce with offsets 1 and "
+           "2.", fn=_softmax_switch(offsets=(4, 8)),
+           explains=_lanes_explain([o for o in _WRONG_SETS if set(o) not in ({1}, set(_WHOLE_WARP), set())],
+                                   [None])),
+    Mutant("the row max is reduced over the wrong lanes (the sum is right): the 4 lanes of a quad (same g = lane "
+           "// 4) hold one row's values; reduce the max with shfl_xor offsets 1 and 2, as the sum.",
+           fn=_softmax_switch(offsets=(1, 4), sum_offsets=(1, 2)), explains=_lanes_explain(_WRONG_SETS, [(1, 2)])),
+    Mutant("the row sum is reduced over the wrong lanes (the max is right): the 4 lanes of a quad (same g = lane "
+           "// 4) hold one row's values; add the sums with shfl_xor offsets 1 and 2, as for the max.",
+           fn=_softmax_switch(sum_offsets=(1, 4)),
+           explains=_lanes_explain([(1, 2)], [o for o in _WRONG_SETS if o])),
     Mutant("the row max and sum are reduced over the whole warp (offsets 16, 8, 4, 2, 1): that mixes the 16 rows "
            "together. Only the 4 lanes of a quad share a row: offsets 1 and 2.",
-           fn=_softmax_switch(offsets=(16, 8, 4, 2, 1))),
+           fn=_softmax_switch(offsets=_WHOLE_WARP)),
     Mutant("only half a quad is reduced (one shuffle, offset 1): lanes t = 0, 1 and t = 2, 3 then disagree about "
-           "the row. A quad has 4 lanes: shfl_xor with 1, then with 2.", fn=_softmax_switch(offsets=(1,))),
+           "the row. A quad has 4 lanes: shfl_xor with 1, then with 2.", fn=_softmax_switch(offsets=_HALF_QUAD)),
     Mutant("the row sum is not reduced across the quad: each lane's l counts only its own columns. Add the sums "
            "of the quad with shfl_xor (offsets 1 and 2), as for the max.", fn=_softmax_switch(sum_offsets=())),
     Mutant("O is not rescaled when the row max grows: the accumulators were summed against the old max; multiply "
