@@ -62,7 +62,8 @@ def _qkv(t: Trial, batch: int, n: int, m: int, d: int, dv: int):
 
 def _case(t: Trial, batch, n, m, d, dv, bq, bk) -> Case:
     return Case((*_qkv(t, batch, n, m, d, dv), bq, bk),
-                f"batch={batch}, n={n}, m={m}, d={d}, dv={dv}, BLOCK_Q={bq}, BLOCK_K={bk}")
+                f"batch={batch}, n={n}, m={m}, d={d}, dv={dv}, BLOCK_Q={bq}, BLOCK_K={bk}",
+                names=("Q", "K", "V", "BLOCK_Q", "BLOCK_K"))
 
 
 def _ref(case: Case):
