@@ -430,6 +430,8 @@ def test_cpu_each_mutant_alone_is_named_over_many_seeds():
             r = t.result("q2", lab06.Q2_POINTS)
             assert r.score < r.max_score and mu.message in r.feedback, (mu.tag, seed, r.feedback)
             assert set(r.diagnoses) == {mistake_title(mu.message)}, (mu.tag, seed, r.diagnoses)
+            if mu.tag == "unguarded":  # one mistake, one part: the missing guard keeps the overflow point
+                assert [got for label, got, *_ in t.parts if label.startswith("huge")] == [1.0], (seed, t.parts)
 
 
 @needs_gxx
