@@ -485,14 +485,26 @@ def attention(source: str, Q, K, V, *, causal: bool = False, scale: float | None
     scale = 1.0 / math.sqrt(Q.shape[2]) if scale is None else float(scale)
     case = Case(Q, K, V, bool(causal), float(np.float32(scale)), "")
     if _has_gpu():
-        O, L = _launch(clean_source(source), "attn_lab", case)
+        try:
+            O, L = _launch(clean_source(source), "attn_lab", case)
+        except Exception as e:  # CuPy's CompileException, which CuPy does not export under one name
+            if type(e).__name__ != "CompileException":
+                raise
+            raise CompileFailed(str(e)) from None
     else:
-        (result,) = hostcuda.run(_host_program(clean_source(source)), [_host_launch("attn_lab", case)],
-                                 timeout=RUN_TIMEOUT)
+        try:
+            program = _host_program(clean_source(source))
+        except hostcuda.CompileError as e:
+            raise CompileFailed(e.log) from None
+        (result,) = hostcuda.run(program, [_host_launch("attn_lab", case)], timeout=RUN_TIMEOUT)
         if isinstance(result, Exception):
             raise result
         O, L = result
     return (O[0], L[0]) if squeeze else (O, L)
+
+
+class CompileFailed(Exception):
+    """The notebook's KERNEL does not compile; the message is the compiler's log."""
 
 
 def _host_launch(prefix: str, case: Case) -> hostcuda.Launch:
