@@ -19,6 +19,8 @@ q2 ``run_kernel(kernel, Q, K, V, BLOCK_Q)`` launches a (correct, package) kernel
 from __future__ import annotations
 
 import math
+import os
+import traceback
 from typing import Callable
 
 import numpy as np
@@ -251,8 +253,10 @@ def q1(t: Trial, make_kernel):
         label, got, points, message = t.parts[-1]  # the message may be computed later (a callable)
 
         def with_hint(message=message):
+            # The IndexError names the mistake, so the "no known mistake explains..." line would contradict it.
             text = message() if callable(message) else message
-            return text + "\nLikely mistake: reading past the last ragged tile (see the IndexError above)."
+            text = "\n".join(line for line in text.splitlines() if not line.startswith("No known mistake explains"))
+            return "Likely mistake: reading past the last ragged tile (see the IndexError below).\n" + text
 
         t.parts[-1] = (label, got, points, with_hint)
 
@@ -280,7 +284,10 @@ def q1(t: Trial, make_kernel):
     races = [r for rec in records for r in rec.get("races", []) if isinstance(r, dict)]
     ran = any(rec.get("shapes") for rec in records) and any(rec.get("barriers") for rec in records)
     if races:
-        missing = [m for m in ("after loading", "after using") if any(r.get("missing") == m for r in races)]
+        # The threads' own order tells which barrier is missing; the simulator's order only where it cannot.
+        telling = [r for r in races if r.get("certain")] or races
+        races = telling + [r for r in races if r not in telling]
+        missing = [m for m in ("after loading", "after using") if any(r.get("missing") == m for r in telling)]
         why = {"after loading": "a thread read the tile before every thread had finished loading it: call "
                                 "cuda.syncthreads() after the loads, before the first read",
                "after using": "a thread loaded the next tile while another still read this one: call "
@@ -302,6 +309,17 @@ def simulator_state(_obj) -> bool:
     return numba_cuda.simulator_active()
 
 
+def _kernel_line(error: BaseException) -> str:
+    """"at line N: <code>" of the deepest frame of ``error`` in the learner's kernel (outside the course's package
+    and numba), or "" when there is none."""
+    skip = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(numba_cuda.__file__))
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not f.filename.startswith(skip) and "numba" not in f.filename]
+    if not frames:
+        return ""
+    return f"at line {frames[-1].lineno}" + (f": {frames[-1].line}" if frames[-1].line else " of make_kernel's cell")
+
+
 def _traced(factory: Callable, Q, K, V, bq: int, bk: int, record: dict):
     """Build the student's kernel with ``factory(bq, bk, D, DV)`` and launch it on (Q, K, V) inside a shared-memory
     trace; ``record`` receives what the trace saw (races, tile shapes and dtypes, barriers)."""
@@ -319,11 +337,13 @@ def _traced(factory: Callable, Q, K, V, bq: int, bk: int, record: dict):
                                  f"DV={V.shape[2]}): check that index against {name}'s shape") from None
             if K.shape[1] % bk:
                 record["overrun"] = True
-                raise IndexError(f"read past the end of K or V on the last ragged tile (m={K.shape[1]}, "
-                                 f"BLOCK_K={bk}): only rows k0 + j < m exist; guard the load ({e})") from None
+                overrun = IndexError(f"read past the end of K or V on the last ragged tile (m={K.shape[1]}, "
+                                     f"BLOCK_K={bk}): only rows k0 + j < m exist; guard the load ({e})")
+                overrun.where = _kernel_line(e)  # the learner's line, not this one
+                raise overrun from None
             raise
         finally:
-            record.update(races=[{"text": str(r), "missing": r.missing} for r in trace.races],
+            record.update(races=[{"text": str(r), "missing": r.missing, "certain": r.certain} for r in trace.races],
                           shapes=dict(trace.shapes), dtypes=dict(trace.dtypes),
                           barriers=trace.barriers, ragged=K.shape[1] % bk != 0)
 
@@ -476,8 +496,10 @@ KNOWN_MISTAKES = KnownMistakes(
     demos={"LAUNCH_MUTANTS": _launch_demo, "q1": _kernel_demo},
     hand_written={
         ("q1", "missing barrier"): [
-            HandWritten("no cuda.syncthreads() after loading a tile", _kernel((_TILE_LOADED, "pass"))),
-            HandWritten("no cuda.syncthreads() after using a tile", _kernel((_TILE_USED, "pass"))),
+            HandWritten("no cuda.syncthreads() after loading a tile", _kernel((_TILE_LOADED, "pass")),
+                        expect="missing barrier after loading"),
+            HandWritten("no cuda.syncthreads() after using a tile", _kernel((_TILE_USED, "pass")),
+                        expect="missing barrier after using"),
         ],
         ("q1", "reading past the last ragged tile"): [
             HandWritten("the update walks all BLOCK_K rows of the last tile",
