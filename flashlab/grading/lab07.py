@@ -175,7 +175,7 @@ def _product_hint(pos: dict[str, np.ndarray | str], t: Trial) -> str:
 @LAB.question("q1", points=4, objects=("a_positions", "b_positions", "c_positions"))
 def q1(t: Trial, a_positions, b_positions, c_positions) -> None:
     """a_positions, b_positions, c_positions give, per lane, the elements of A, B, C it holds, in register order."""
-    lanes = [int(x) for x in t.rng.permutation(32)]
+    lanes = list(range(32))  # every lane, in order: the smallest failing input shown is the first failing lane
     maps = {"A": (a_positions, fragments.a_positions, A_POSITIONS_MUTANTS),
             "B": (b_positions, fragments.b_positions, B_POSITIONS_MUTANTS),
             "C": (c_positions, fragments.c_positions, C_POSITIONS_MUTANTS)}
@@ -577,7 +577,7 @@ def _ldmatrix_hint(t: Trial, student) -> str:
 @LAB.question("q4", points=2, objects=("ldmatrix_rows",))
 def q4(t: Trial, ldmatrix_rows) -> None:
     """ldmatrix_rows(lane) gives the (row, chunk) of the 16×16 A tile that each lane points ldmatrix.x4 at."""
-    lanes = [int(x) for x in t.rng.permutation(32)]
+    lanes = list(range(32))  # every lane, in order: the smallest failing input shown is the first failing lane
     t.compare("the (row, chunk) every lane supplies", 1, student=ldmatrix_rows,
               cases=[Case((lane,), f"lane {lane}") for lane in lanes],
               reference=lambda c: _positions_run(_ldmatrix_a_rows, c), run=_positions_run, mutants=LDMATRIX_MUTANTS,
