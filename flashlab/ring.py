@@ -264,34 +264,49 @@ def _run_ring(jobs: list, *, backend: str, timeout: float) -> list:
     if backend == "cpu":
         ctx = mp.get_context("spawn")
         inboxes = [ctx.Queue() for _ in range(world)]
+    else:
+        inboxes = [queue.Queue() for _ in range(world)]
+    args = [(rank, w, q, own, positions, options, inboxes[rank], inboxes[(rank + 1) % world])
+            for rank, w, q, own, positions, options in jobs]
+    try:
+        return run_workers(_worker, args, processes=backend == "cpu", timeout=timeout)
+    finally:
+        if backend == "cpu":
+            for box in inboxes:
+                box.cancel_join_thread()
+                box.close()
+
+
+def run_workers(target: Callable, args: Sequence[tuple], *, processes: bool, timeout: float) -> list:
+    """Run ``target(*args[p], results, timeout)`` for every p, as spawned processes or as threads, and return what
+    each put on ``results`` as ("ok", p, payload), in order of p. An ("error", p, text) message, a process that
+    dies, or ``timeout`` seconds without every result raise :class:`RingError`; the other processes are stopped."""
+    world = len(args)
+    if processes:
+        ctx = mp.get_context("spawn")
         results = ctx.Queue()
         make = ctx.Process
     else:
-        inboxes = [queue.Queue() for _ in range(world)]
         results = queue.Queue()
         make = threading.Thread
-    workers = []
-    for rank, w, q, own, positions, options in jobs:
-        args = (rank, w, q, own, positions, options, inboxes[rank], inboxes[(rank + 1) % world], results, timeout)
-        workers.append(make(target=_worker, args=args, daemon=True))
+    workers = [make(target=target, args=(*a, results, timeout), daemon=True) for a in args]
     try:
         for wk in workers:
             wk.start()
-        return _collect(workers, results, world, timeout, backend)
+        return _collect(workers, results, world, timeout, processes)
     finally:
-        if backend == "cpu":
+        if processes:
             for wk in workers:
                 if wk.is_alive():
                     wk.terminate()
             for wk in workers:
                 if wk.pid is not None:
                     wk.join(timeout=5)
-            for box in (*inboxes, results):
-                box.cancel_join_thread()
-                box.close()
+            results.cancel_join_thread()
+            results.close()
 
 
-def _collect(workers, results, world: int, timeout: float, backend: str) -> list:
+def _collect(workers, results, world: int, timeout: float, processes: bool) -> list:
     done: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     while len(done) < world:
@@ -303,7 +318,7 @@ def _collect(workers, results, world: int, timeout: float, backend: str) -> list
         try:
             status, rank, payload = results.get(timeout=min(left, 0.2))
         except queue.Empty:
-            if backend == "cpu":
+            if processes:
                 for rank, wk in enumerate(workers):
                     if rank not in done and wk.exitcode not in (None, 0):
                         raise RingError(f"device {rank} of {world} died (exit code {wk.exitcode}) before it "
