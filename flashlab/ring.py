@@ -94,8 +94,10 @@ def step(state: online.State, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos
     q is (..., nq, d), k (..., mk, d), v (..., mk, dv); ``q_pos`` and ``k_pos`` are the global positions of their
     rows, ``offset`` = m - n of the whole attention (for the causal mask). The scores are masked with those global
     positions and folded in with :func:`flashlab.online.update`, which rescales what the state holds when the
-    block raises the running max. A block that no query may see leaves the state unchanged.
+    block raises the running max. An empty block, or one that no query may see, leaves the state unchanged.
     """
+    if k.shape[-2] == 0 or q.shape[-2] == 0:  # a device with no rows (n < world) passes an empty block
+        return state
     scale = check_scale(scale, q.shape[-1])
     scores = scale * (q @ np.swapaxes(k, -1, -2))
     seen = visible(q_pos, k_pos, causal=causal, offset=offset)
