@@ -160,16 +160,16 @@ def work(n: int, world: int, *, layout: str = "contiguous", causal: bool = True,
     """
     world = _check_world(world)
     m = n if m is None else m
-    offset = causal_offset(n, m)
+    offset = causal_offset(n, m) if causal else None
     qs, ks = split(n, world, layout), split(m, world, layout)
     steps = np.zeros((world, world), dtype=np.int64)
     tiles = np.zeros(world, dtype=np.int64)
     for p in range(world):
         for s in range(world):
-            kp = ks[source(p, s, world)]
-            seen = visible(qs[p], kp, causal=causal, offset=offset)
-            steps[p, s] = qs[p].size * kp.size if seen is None else int(seen.sum())
-            tiles[p] += _tiles(qs[p], kp, causal=causal, offset=offset, tile=tile)
+            for qr in _runs(qs[p]):
+                for kr in _runs(ks[source(p, s, world)]):
+                    steps[p, s] += _pairs(qr, kr, offset)
+                    tiles[p] += _tiles(qr, kr, offset, tile)
     return {"pairs": steps.sum(axis=1), "steps": steps, "tiles": tiles}
 
 
@@ -181,16 +181,21 @@ def _runs(pos: np.ndarray) -> list[np.ndarray]:
     return np.split(pos, cuts)
 
 
-def _tiles(q_pos: np.ndarray, k_pos: np.ndarray, *, causal: bool, offset: int, tile: int) -> int:
-    count = 0
-    for qr in _runs(q_pos):
-        for kr in _runs(k_pos):
-            for a in range(0, qr.size, tile):
-                last_q = qr[min(a + tile, qr.size) - 1]
-                for b in range(0, kr.size, tile):
-                    # a tile has a visible pair when its first key is visible to its last query
-                    count += (not causal) or kr[b] <= last_q + offset
-    return int(count)
+def _pairs(qr: np.ndarray, kr: np.ndarray, offset: int | None) -> int:
+    """Visible pairs between a run of queries and a run of keys: query i sees the keys up to i + offset."""
+    if offset is None:
+        return qr.size * kr.size
+    return int(np.clip(qr + offset - kr[0] + 1, 0, kr.size).sum())
+
+
+def _tiles(qr: np.ndarray, kr: np.ndarray, offset: int | None, tile: int) -> int:
+    """Tiles with a visible pair: those whose first key is visible to their last query."""
+    q_tiles = -(-qr.size // tile)
+    k_starts = kr[::tile]
+    if offset is None:
+        return q_tiles * k_starts.size
+    last_q = qr[np.minimum(np.arange(1, q_tiles + 1) * tile, qr.size) - 1]
+    return int(np.searchsorted(k_starts, last_q + offset, side="right").sum())
 
 
 # ------------------------------------------------------------------------------------------------- the call
