@@ -260,3 +260,25 @@ def _exits_on_device_1(state, q, k, v, q_pos, k_pos, **kw):
     if q_pos.size and q_pos[0] > 0:
         os._exit(3)
     return ring.step(state, q, k, v, q_pos, k_pos, **kw)
+
+
+# ---------------------------------------------------------------------------- the GPU module's merge, on NumPy
+def test_gpu_merge_of_partials_is_chapter_1s_merge(rng):
+    n, m, d = 9, 20, 4
+    Q, K, V = _qkv(rng, n, m, d=d, dv=3)
+    Q[0] *= 400  # huge scores in one row
+    with np.errstate(divide="ignore"):
+        o_acc, lse_acc = np.zeros((n, 3), dtype=np.float32), np.full(n, -np.inf, dtype=np.float32)
+        for lo, hi in ((0, 7), (7, 8), (8, 20)):
+            o, lse = reference.attention(Q, K[lo:hi], V[lo:hi])
+            gpu_ring.merge_into(np, o_acc, lse_acc, o.astype(np.float32), lse.astype(np.float32))
+    O_ref, L_ref = reference.attention(Q, K, V)
+    np.testing.assert_allclose(o_acc, O_ref, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(lse_acc, L_ref, rtol=2e-6)
+
+
+def test_gpu_merge_keeps_rows_that_see_nothing_empty():
+    o_acc, lse_acc = np.zeros((2, 2), dtype=np.float32), np.full(2, -np.inf, dtype=np.float32)
+    gpu_ring.merge_into(np, o_acc, lse_acc, np.zeros((2, 2), np.float32), np.array([-np.inf, 0.5], np.float32))
+    assert lse_acc[0] == -np.inf and np.all(o_acc[0] == 0) and lse_acc[1] == np.float32(0.5)
+    assert not np.isnan(o_acc).any()

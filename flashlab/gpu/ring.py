@@ -82,8 +82,9 @@ class DeviceRing:
         nccl = self.nccl
         nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world
         nccl.groupStart()
-        self.comm.send(send_buf.data.ptr, send_buf.nbytes, nccl.NCCL_UINT8, nxt, stream.ptr)
-        self.comm.recv(recv_buf.data.ptr, recv_buf.nbytes, nccl.NCCL_UINT8, prv, stream.ptr)
+        byte = getattr(nccl, "NCCL_UINT8", 1)  # ncclUint8 is 1 in nccl.h
+        self.comm.send(send_buf.data.ptr, send_buf.nbytes, byte, nxt, stream.ptr)
+        self.comm.recv(recv_buf.data.ptr, recv_buf.nbytes, byte, prv, stream.ptr)
         nccl.groupEnd()
 
     def wait(self, event, what: str) -> None:
@@ -148,14 +149,20 @@ class Shard:
             lse.fill(-np.inf)
 
 
-def merge_into(cp, o_acc, lse_acc, o, lse) -> None:
+def merge_into(xp, o_acc, lse_acc, o, lse) -> None:
     """Chapter 1's merge in (o, lse) form, in place: fold a partial (o, lse) over new keys into the accumulators.
-    Rows where both are -inf stay o = 0, lse = -inf."""
-    new = cp.logaddexp(lse_acc, lse)
-    safe = cp.where(cp.isfinite(new), new, 0)
-    o_acc *= cp.exp(lse_acc - safe)[..., None]
-    o_acc += cp.exp(lse - safe)[..., None] * o.astype(cp.float32)
-    lse_acc[...] = new
+
+    ``xp`` is CuPy (NumPy works too: the tests check the arithmetic on the CPU). Weights are measured against the
+    larger lse, guarded so that rows where both are -inf stay o = 0, lse = -inf (``logaddexp`` of two -inf is nan
+    in CuPy)."""
+    mx = xp.maximum(lse_acc, lse)
+    safe = xp.where(xp.isfinite(mx), mx, 0)
+    wa = xp.exp(lse_acc - safe)
+    wb = xp.exp(lse - safe)
+    total = wa + wb
+    o_acc *= (wa / xp.where(total > 0, total, 1))[..., None]
+    o_acc += (wb / xp.where(total > 0, total, 1))[..., None] * o.astype(xp.float32)
+    lse_acc[...] = xp.where(total > 0, safe + xp.log(xp.where(total > 0, total, 1)), -xp.inf)
 
 
 def _contig(cp, x, axis_slice: slice):
@@ -291,7 +298,8 @@ def attention(q, k, v, *, world: int = 2, causal: bool = False, scale: float | N
     block_shapes = [[K.shape[:-2] + (ln, d) for _, ln in kp] for kp in k_pos]
     from cupy.cuda import nccl
 
-    os.environ.update(NCCL_ENV)
+    for key, value in NCCL_ENV.items():
+        os.environ.setdefault(key, value)  # the workers inherit it
     uid = nccl.get_unique_id()
     args = []
     for p in range(world):
