@@ -221,7 +221,7 @@ def ring_forward(dr: DeviceRing, shard: Shard, *, causal: bool, scale: float, of
     used = ready
     for s in range(world):
         src = _ring.source(rank, s, world)
-        cur = shard.buffers[s % 2]
+        cur = shard.buffers[s % 2] if transfer else shard.buffers[0]  # without transfers only the own block is there
         if transfer and s < world - 1:
             dr.transfer.wait_event(used)  # the other buffer's last reader (step s - 1's compute) is done
             dr.transfer.wait_event(ready)
