@@ -80,7 +80,7 @@ bench-train: setup
 
 # Chapter 10's ring on two GPUs of one host (NCCL_DEBUG=INFO prints the transport NCCL chose).
 bench-ring: setup
-	NCCL_DEBUG=INFO $(BENCH) ring --world 2 --n 131072 262144 --heads 16 --repeat 20 --warmup 3
+	NCCL_DEBUG=INFO $(BENCH) ring --n 131072 --heads 16 --repeat 20 --warmup 3
 
 # Chapter 5's CPU run, at raised priority (as recorded; without the right to raise it, nice warns and runs anyway).
 CPU_RECORD ?= xeon-2core
