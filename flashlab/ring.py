@@ -366,4 +366,4 @@ def crossover_n(d: int, world: int, *, tflops: float, link_gbs: float, bytes_per
 
 
 __all__ = ["LAYOUTS", "BACKENDS", "RingError", "split", "source", "visible", "step", "finish", "run_device",
-           "work", "attention", "flops_per_step", "block_bytes", "step_model", "crossover_n"]
+           "work", "attention", "run_workers", "flops_per_step", "block_bytes", "step_model", "crossover_n"]
