@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 DEV_STAMP := $(VENV)/.installed-dev-stamp
 
 .PHONY: setup dev lab test test-gpu html slides release grade lint clean \
-        bench-forward bench-backward bench-decode bench-memory bench-train bench-cpu profile sanitize
+        bench-forward bench-backward bench-decode bench-memory bench-train bench-ring bench-cpu profile sanitize
 
 setup: $(STAMP)
 
@@ -77,6 +77,10 @@ bench-memory: setup
 
 bench-train: setup
 	$(BENCH) train --steps 400 --repeat 20
+
+# Chapter 10's ring on two GPUs of one host (NCCL_DEBUG=INFO prints the transport NCCL chose).
+bench-ring: setup
+	NCCL_DEBUG=INFO $(BENCH) ring --n 131072 --heads 16 --repeat 20 --warmup 3
 
 # Chapter 5's CPU run, at raised priority (as recorded; without the right to raise it, nice warns and runs anyway).
 CPU_RECORD ?= xeon-2core

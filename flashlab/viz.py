@@ -325,3 +325,31 @@ def plot_block_masks(patterns: dict, n: int, m: int, block_q: int, block_k: int,
     fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=8)
     fig.suptitle(f"Tiles of S (n = {n}, m = {m}, block_q = {block_q}, block_k = {block_k})", fontsize=10)
     return fig
+
+
+def plot_ring_work(works: dict[str, Sequence[float]], *, ylabel: str = "(query, key) pairs scored", ax=None):
+    """Grouped bars: the work of each device of a ring under each layout (``{layout: work per device}``, e.g.
+    ``flashlab.ring.work(...)["pairs"]``), with each layout's mean as a dotted line: the gap between the tallest
+    bar and the line is time the other devices wait."""
+    import matplotlib.pyplot as plt
+
+    if not works:
+        raise ValueError("need the work of at least one layout")
+    sizes = {len(w) for w in works.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"every layout needs one value per device; got lengths {sorted(sizes)}")
+    world = sizes.pop()
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 3.2), constrained_layout=True)
+    width = 0.8 / len(works)
+    x = np.arange(world)
+    for i, (name, w) in enumerate(works.items()):
+        w = np.asarray(w, dtype=float)
+        label = f"{name} (max / mean = {w.max() / w.mean():.2f})"
+        ax.bar(x + (i - (len(works) - 1) / 2) * width, w, width, label=label, color=f"C{i}")
+        ax.axhline(w.mean(), color=f"C{i}", ls=":", lw=1)
+    ax.set_xticks(x)
+    ax.set_xlabel("device p")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+    return ax.figure

@@ -35,6 +35,8 @@ KINDS = {
     "tune": ("flashlab.bench.tune", "time a tunable rung with other tile sizes -> data/benchmarks/tune_RUNG.json"),
     "profile": ("flashlab.bench.profile", "one forward pass bracketed for Nsight Compute; summarize an ncu CSV "
                 "into data/ncu/"),
+    "ring": ("flashlab.bench.ring", "ring attention over several GPUs of one host against one GPU: time, hidden "
+             "communication, link bandwidth, longest n that fits -> data/ring/NAME.json"),
     "host": ("flashlab.bench.host", "host time per call of attention, attention_backward and decode "
              "-> data/benchmarks/host.json"),
 }
