@@ -124,6 +124,13 @@ SLIDE_REPORT = """() => Reveal.getSlides().map((s, i) => {
     indices: Reveal.getIndices(s),
     title: heading ? heading.innerText.trim() : '',
     text: text,
+    // The slide's last cell with something in it ends in a colon, and no figure follows: it announces nothing.
+    dangling: (() => {
+      const cells = Array.from(s.querySelectorAll('.jp-Cell'))
+        .filter(c => c.innerText.trim() || c.querySelector('img'));
+      const last = cells[cells.length - 1];
+      return !!last && !last.querySelector('img') && last.innerText.trim().endsWith(':');
+    })(),
     beyond: text.replace(heading ? heading.innerText.trim() : '', '').trim().length + imgs.length,
     images: imgs.map(im => [im.complete, im.naturalWidth]),
     tex: s.querySelectorAll('script[type^="math/tex"]').length,
@@ -161,7 +168,7 @@ def test_decks_in_headless_chromium(decks):
                 where = f"{path.stem} slide {s['index'] + 1} ({s['title'][:50]!r})"
                 if s["beyond"] == 0:
                     problems.append(f"{where}: nothing beyond its title")
-                if s["text"].endswith(":"):
+                if s["dangling"]:
                     problems.append(f"{where}: ends with a colon: ...{s['text'][-80:]!r}")
                 if "$$" in s["text"] or "\\begin{" in s["text"]:
                     problems.append(f"{where}: raw TeX on the slide")
@@ -173,7 +180,8 @@ def test_decks_in_headless_chromium(decks):
             page.evaluate(f"Reveal.slide({shot['indices']['h']}, {shot['indices']['v']})")
             page.wait_for_timeout(600)  # the slide transition, and the fit of a tall slide
             page.screenshot(path=str(SCREENSHOTS / f"{path.stem}.png"))
-            assert len(report) >= 10, f"{path.stem}: {len(report)} slides in the browser"
+            if len(report) < 10:
+                problems.append(f"{path.stem}: {len(report)} slides in the browser")
         browser.close()
     remote = [u for u in requests if not re.match(r"(file|data|blob|about):|https?://(localhost|127\.0\.0\.1)[:/]", u)]
     assert not remote, f"the decks fetched from the network: {sorted(set(remote))[:10]}"
