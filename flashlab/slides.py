@@ -8,7 +8,8 @@ How a chapter is tagged for its deck (CONTRIBUTING.md, "Notebooks"):
 * a tagged markdown cell whose text ends with a colon carries the code cell right after it onto its slide (the
   printed number, table or figure the colon announces), tagged or not;
 * code cells show their outputs only, the code staying in the chapter, except a cell also tagged ``slide-code``
-  (the ten lines that matter), and a cell carried by a colon that prints nothing (the colon announces its code).
+  (the ten lines that matter), and a cell carried by a colon that prints nothing (the colon announces its code);
+* a code cell that shows a GPU result read from data/ without printing its GPU and date gets a caption naming them.
 
 Decks are built from executed chapters (the copies ``make html`` keeps in build/executed, or a fresh run), so
 plots and printed results appear on the slides; GPU cells run on a machine without a GPU show the results
@@ -38,6 +39,7 @@ HIDE_INPUT_TAG = "deck-hide-input"  # set by the builder on the deck's copy, nev
 TITLE_CELL_ID = "deck-title"
 # A slide's text ends with a colon when the next cell's output is what it announces.
 ANNOUNCES = re.compile(r":\s*(\*\*|\*|_)?\s*$")
+READS_RECORD = re.compile(r"read_record\(\s*[\"']([^\"']+)[\"']")
 
 
 def install_reveal(out_dir: pathlib.Path) -> str:
@@ -97,8 +99,41 @@ def shows_code(nb, i: int) -> bool:
     return carried and not cell.get("outputs")
 
 
+def printed_text(cell) -> str:
+    """Everything a code cell printed or displayed as text."""
+    parts = []
+    for out in cell.get("outputs", []):
+        parts.append(out.get("text", ""))
+        data = out.get("data", {})
+        parts += [str(data.get(kind, "")) for kind in ("text/plain", "text/markdown", "text/html")]
+    return "".join(parts)
+
+
+def recorded_caption(cell) -> str | None:
+    """A caption for a code cell that shows GPU results recorded in data/ without saying which GPU and when.
+
+    A chapter built without a GPU shows recorded results; most cells print their provenance, and this covers the
+    ones that do not (a table or figure drawn straight from a record), so every recorded GPU result on a slide is
+    labelled with its GPU and date.
+    """
+    from . import records
+
+    printed, labels = printed_text(cell), []
+    for name in dict.fromkeys(READS_RECORD.findall(cell.source)):
+        try:
+            prov = records.read_record(name).get("provenance", {})
+        except (OSError, ValueError):
+            continue
+        gpu, date = prov.get("gpu"), str(prov.get("date_utc", ""))[:10]
+        if gpu and date and not (gpu in printed and date in printed):
+            labels.append(f"recorded on an {gpu}, {date} (`data/{name}.json`)")
+    return f"<p class='deck-recorded'>{'; '.join(labels)}</p>" if labels else None
+
+
 def deck(nb):
     """A copy of NB holding its title slide and its slide cells, with reveal.js slide metadata set from the tags."""
+    import nbformat
+
     kept = []
     for i, (cell, kind) in enumerate(zip(nb.cells, slide_types(nb), strict=True)):
         if kind is None:
@@ -108,6 +143,10 @@ def deck(nb):
         if cell.cell_type == "code" and not shows_code(nb, i):
             cell.metadata["tags"] = [*cell.metadata.get("tags", []), HIDE_INPUT_TAG]
         kept.append(cell)
+        caption = recorded_caption(cell) if cell.cell_type == "code" else None
+        if caption:
+            kept.append(nbformat.v4.new_markdown_cell(caption, id=f"{cell.get('id', i)}-recorded"))
+            kept[-1].metadata["slideshow"] = {"slide_type": "-"}
     if kept:
         kept[0].metadata["slideshow"] = {"slide_type": "slide"}
         if deck_metadata(nb):
