@@ -19,6 +19,10 @@ import re
 import shutil
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nbformat import NotebookNode
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MATHJAX_URL = "mathjax/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full,Safe"
@@ -55,7 +59,7 @@ def title_of(path: pathlib.Path) -> str:
     return heading_of(json.loads(path.read_text(encoding="utf-8"))) or path.stem
 
 
-def offline_links(nb):
+def offline_links(nb: NotebookNode) -> NotebookNode:
     """A copy of NB whose badge images become text links (the notebook files keep their badges for Colab)."""
     out = copy.deepcopy(nb)
     for cell in out.cells:
@@ -64,7 +68,7 @@ def offline_links(nb):
     return out
 
 
-def execute(path: pathlib.Path, *, timeout: int = 600):
+def execute(path: pathlib.Path, *, timeout: int = 600) -> NotebookNode:
     """Run a notebook top to bottom in a fresh kernel, as CI does (cwd = its folder).
 
     The kernel must keep its own inline matplotlib backend: an inherited MPLBACKEND=Agg would make every
@@ -80,7 +84,7 @@ def execute(path: pathlib.Path, *, timeout: int = 600):
     return nb
 
 
-def with_outputs(nb, ran):
+def with_outputs(nb: NotebookNode, ran: NotebookNode) -> NotebookNode | None:
     """NB with the outputs of RAN, an executed copy, when both hold the same code cells (ids and sources); else None.
 
     Tags, metadata and markdown come from NB: retagging a chapter's slides or adding a markdown cell needs no new
@@ -98,7 +102,7 @@ def with_outputs(nb, ran):
     return out
 
 
-def executed(path: pathlib.Path, cache_dir: pathlib.Path, *, timeout: int = 600, fresh: bool = False):
+def executed(path: pathlib.Path, cache_dir: pathlib.Path, *, timeout: int = 600, fresh: bool = False) -> NotebookNode:
     """The executed notebook: PATH with the outputs of its copy in CACHE_DIR when that copy ran the same code
     (``with_outputs``), else run now and saved there. FRESH always runs it."""
     import nbformat
@@ -114,7 +118,7 @@ def executed(path: pathlib.Path, cache_dir: pathlib.Path, *, timeout: int = 600,
     return nb
 
 
-def render_chapter(nb, out_path: pathlib.Path, *, mathjax_url: str | None = None) -> None:
+def render_chapter(nb: NotebookNode, out_path: pathlib.Path, *, mathjax_url: str | None = None) -> None:
     """Write one (executed) notebook as a self-contained HTML page."""
     from nbconvert import HTMLExporter
 

@@ -29,8 +29,12 @@ import html
 import pathlib
 import re
 import shutil
+from typing import TYPE_CHECKING
 
 from . import site
+
+if TYPE_CHECKING:
+    from nbformat import NotebookNode
 
 TEMPLATES = pathlib.Path(__file__).resolve().parent / "templates"
 SLIDE_TAGS = {"slide": "slide", "slide-continue": "-"}
@@ -53,12 +57,12 @@ def install_reveal(out_dir: pathlib.Path) -> str:
     return "reveal.js"
 
 
-def deck_metadata(nb) -> dict:
+def deck_metadata(nb: NotebookNode) -> dict:
     """The chapter's title-slide text: ``{"claim": str, "shows": [str, ...]}`` (empty when not tagged)."""
     return dict(nb.metadata.get("flashlab", {}).get("deck", {}))
 
 
-def title_cell(nb):
+def title_cell(nb: NotebookNode) -> NotebookNode:
     """The generated title slide: the chapter's first heading, its one-line claim and what the slides show."""
     import nbformat
 
@@ -73,12 +77,12 @@ def title_cell(nb):
     return cell
 
 
-def announces_next(cell) -> bool:
+def announces_next(cell: NotebookNode) -> bool:
     """True for a markdown cell whose text ends with a colon: it introduces the output of the cell after it."""
     return cell.cell_type == "markdown" and bool(ANNOUNCES.search(cell.source.rstrip()))
 
 
-def slide_types(nb) -> list[str | None]:
+def slide_types(nb: NotebookNode) -> list[str | None]:
     """Per cell of NB: its reveal.js slide type ("slide" or "-") when it goes on the deck, else None."""
     kinds: list[str | None] = []
     for i, cell in enumerate(nb.cells):
@@ -90,7 +94,7 @@ def slide_types(nb) -> list[str | None]:
     return kinds
 
 
-def shows_code(nb, i: int) -> bool:
+def shows_code(nb: NotebookNode, i: int) -> bool:
     """Whether code cell I of NB shows its code on the slide (see the module docstring)."""
     cell = nb.cells[i]
     if CODE_TAG in cell.metadata.get("tags", []):
@@ -99,7 +103,7 @@ def shows_code(nb, i: int) -> bool:
     return carried and not cell.get("outputs")
 
 
-def printed_text(cell) -> str:
+def printed_text(cell: NotebookNode) -> str:
     """Everything a code cell printed or displayed as text."""
     parts = []
     for out in cell.get("outputs", []):
@@ -109,7 +113,7 @@ def printed_text(cell) -> str:
     return "".join(parts)
 
 
-def recorded_caption(cell) -> str | None:
+def recorded_caption(cell: NotebookNode) -> str | None:
     """A caption for a code cell that shows GPU results recorded in data/ without saying which GPU and when.
 
     A chapter built without a GPU shows recorded results; most cells print their provenance, and this covers the
@@ -126,11 +130,11 @@ def recorded_caption(cell) -> str | None:
             continue
         gpu, date = prov.get("gpu"), str(prov.get("date_utc", ""))[:10]
         if gpu and date and not (gpu in printed and date in printed):
-            labels.append(f"recorded on an {gpu}, {date} (`data/{name}.json`)")
+            labels.append(f"recorded on {html.escape(gpu)}, {date} (<code>data/{html.escape(name)}.json</code>)")
     return f"<p class='deck-recorded'>{'; '.join(labels)}</p>" if labels else None
 
 
-def deck(nb):
+def deck(nb: NotebookNode) -> NotebookNode:
     """A copy of NB holding its title slide and its slide cells, with reveal.js slide metadata set from the tags."""
     import nbformat
 
@@ -156,7 +160,7 @@ def deck(nb):
     return site.offline_links(out)
 
 
-def present_notebook(nb):
+def present_notebook(nb: NotebookNode) -> NotebookNode:
     """A copy of NB for live slides in JupyterLab (RISE): every cell kept, in order, the untagged ones skipped.
 
     The chapter runs as it is (Run All, then present), so the slides show what its cells compute live, on a GPU
@@ -170,7 +174,7 @@ def present_notebook(nb):
     return site.offline_links(out)
 
 
-def render_deck(nb, out_path: pathlib.Path, *, reveal_prefix: str, mathjax_url: str | None) -> int:
+def render_deck(nb: NotebookNode, out_path: pathlib.Path, *, reveal_prefix: str, mathjax_url: str | None) -> int:
     """Write NB's deck to OUT_PATH; returns the number of cells on it (0: nothing written)."""
     from nbconvert import SlidesExporter
     from nbconvert.preprocessors import TagRemovePreprocessor
