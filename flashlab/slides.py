@@ -233,21 +233,26 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     reveal_prefix = install_reveal(out_dir)
     mathjax_url = site.install_mathjax(out_dir)
-    decks = []
+    decks: list[tuple[pathlib.Path, str]] = []
 
     def build(path: pathlib.Path) -> None:
         nb = site.executed(path, pathlib.Path(args.cache), timeout=args.timeout)
         n = render_deck(nb, out_dir / f"{path.stem}.html", reveal_prefix=reveal_prefix, mathjax_url=mathjax_url)
         print(f"{path.name}: {n} slide cells" if n else f"{path.name}: no cells tagged 'slide', no deck")
         if n:
-            decks.append(path)
+            decks.append((path, deck_metadata(nb).get("claim", "")))
 
     failures = site.for_each_chapter(sorted(pathlib.Path(args.chapters).glob("*.ipynb")), args.only, build)
-    links = "\n".join(f'<li><a href="{p.stem}.html">{html.escape(site.title_of(p))}</a></li>' for p in decks)
+    links = "\n".join(
+        f'<li><a href="{p.stem}.html">{html.escape(site.title_of(p))}</a><br>{html.escape(claim)}</li>'
+        for p, claim in decks
+    )
     (out_dir / "index.html").write_text(
         f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>FlashLab slides</title>'
-        f"<style>body{{font-family:system-ui,sans-serif;font-size:1.4rem;max-width:52rem;margin:2rem auto}}</style>"
-        f"</head><body><h1>FlashLab slides</h1><ol>{links}</ol></body></html>\n",
+        f"<style>body{{font-family:system-ui,sans-serif;font-size:1.3rem;max-width:56rem;margin:2rem auto}}"
+        f"li{{margin-bottom:.8rem}}</style></head><body><h1>FlashLab slides</h1>"
+        f"<p>Arrow keys move, S opens the speaker view, F goes full screen, Alt+click zooms.</p>"
+        f"<ol>{links}</ol></body></html>\n",
         encoding="utf-8",
     )
     print(f"index: {out_dir / 'index.html'}")
