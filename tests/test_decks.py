@@ -10,6 +10,11 @@ from __future__ import annotations
 import pathlib
 import re
 import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 
 import pytest
 
@@ -190,3 +195,46 @@ def test_decks_in_headless_chromium(decks):
     remote = [u for u in requests if not re.match(r"(file|data|blob|about):|https?://(localhost|127\.0\.0\.1)[:/]", u)]
     assert not remote, f"the decks fetched from the network: {sorted(set(remote))[:10]}"
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+def test_present_opens_as_live_slides_in_jupyterlab(tmp_path):
+    """`make present`: the chapter written for RISE opens in JupyterLab as live slides, its title slide first."""
+    pytest.importorskip("jupyterlab_rise", reason="make present installs it (requirements-instructor.txt)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("needs Chromium (Debian: apt-get install chromium)")
+    written = slides.write_present("1", tmp_path / "build" / "present")
+    claim = slides.deck_metadata(_read(written))["claim"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = "deck-test"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", f"--port={port}",
+         f"--ServerApp.token={token}", f"--ServerApp.root_dir={tmp_path}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/api?token={token}", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline and server.poll() is None, "JupyterLab did not start"
+                time.sleep(0.5)
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+            page = browser.new_page(viewport={"width": 1280, "height": 800})
+            page.goto(f"http://127.0.0.1:{port}/rise/build/present/{written.name}?token={token}")
+            page.wait_for_function("document.querySelectorAll('.reveal .slides > section').length >= 10",
+                                   timeout=90_000)
+            assert claim in page.inner_text(".reveal .slides > section.present")
+            count = page.evaluate("document.querySelectorAll('.reveal .slides > section').length")
+            assert count == len(_slides_of(_read(slides.chapter_path("1")))), "the live deck and the static one differ"
+            browser.close()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
