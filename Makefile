@@ -55,8 +55,8 @@ $(PRESENT_STAMP): $(STAMP) requirements-instructor.txt
 	touch $(PRESENT_STAMP)
 
 # Chapter CHAPTER (default 7) as live slides in JupyterLab with RISE: its slide cells, every other cell skipped,
-# written to build/present/. There: Run > Run All Cells (on a GPU machine the GPU cells run live), then the
-# toolbar's slideshow button (or Alt+R). make present CHAPTER=3 LAB_ARGS="--no-browser --port 8890".
+# written to build/present/. There: Run > Run All Cells (on a GPU machine the GPU cells run live), save, then
+# Alt+R: the slides share the notebook's kernel. make present CHAPTER=3 LAB_ARGS="--no-browser --port 8890".
 CHAPTER ?= 7
 present: $(PRESENT_STAMP)
 	path=$$($(BIN)/python -m flashlab slides --present $(CHAPTER) --out build/present) && \
