@@ -22,7 +22,7 @@ COMMANDS = {
     "mistakes": ("flashlab.mistakes", "every mistake the graders know, graded: mistakes [--seeds N] [--labs ...] "
                  "[--simulator] (the seed sweep)"),
     "rungs": ("flashlab.gpu.rungs", "the kernel files side by side: rungs list | diff A B (what rung B changes) | "
-              "helpers"),
+              "loop A [B] (a kernel's main loop, or what B changes in it) | helpers"),
     "flashlab.numba_cuda": ("flashlab.numba_cuda", "check chapter 5's Numba CUDA forward in the simulator "
                             "(or --gpu), print JSON"),
 }

@@ -85,13 +85,24 @@ def owners(where: PositionMap, shape: tuple[int, int]) -> np.ndarray:
 
 
 def show_layout(where: PositionMap, shape: tuple[int, int]) -> str:
-    """The operand as a grid of ``lane:register`` labels, one row per line (the PTX manual's figures, in text)."""
+    """The operand as a grid of ``lane:register`` labels, one row per line (the PTX manual's figures, in text).
+
+    `` ?  `` marks an element no lane holds, `` !! `` one that several lanes claim; positions outside the operand
+    (a wrong map) are listed under the grid rather than raising, so that a wrong map can be looked at."""
     labels = np.full(shape, " ?  ", dtype=object)
+    outside = []
     for lane in range(LANES):
         for reg, (r, c) in enumerate(where(lane)):
+            if not (0 <= r < shape[0] and 0 <= c < shape[1]):
+                outside.append(f"lane {lane} value {reg} at ({r}, {c})")
+                continue
             labels[r, c] = f"{lane:2d}:{reg}" if labels[r, c] == " ?  " else " !! "
     head = "     " + "".join(f"{c:^6d}" for c in range(shape[1]))
-    return "\n".join([head] + [f"{r:3d}  " + "".join(f"{x:^6}" for x in labels[r]) for r in range(shape[0])])
+    lines = [head] + [f"{r:3d}  " + "".join(f"{x:^6}" for x in labels[r]) for r in range(shape[0])]
+    if outside:
+        shown = ", ".join(outside[:8]) + (f" and {len(outside) - 8} more" if len(outside) > 8 else "")
+        lines.append(f"outside the {shape[0]} x {shape[1]} operand: {shown}")
+    return "\n".join(lines)
 
 
 def mma(a_frags: np.ndarray, b_frags: np.ndarray, c_frags: np.ndarray) -> np.ndarray:

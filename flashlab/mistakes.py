@@ -599,7 +599,7 @@ def false_likely(mistake: Mistake, result: Result) -> list[str]:
     """Mistakes printed as the likely one for this submission that are not ``mistake`` (a wrong guess)."""
     own = {mistake.title.lower(), mistake_title(mistake.expect).lower()} - {""}
     printed = [m.group(1) for m in _LIKELY.finditer(result.feedback)]
-    # A grader may add to the title ("reading past the last ragged tile (see the IndexError above)").
+    # A grader may add to the title ("reading past the last ragged tile (see the IndexError below)").
     return [mistake_title(text) for text in printed if not any(t in text.lower() for t in own)]
 
 

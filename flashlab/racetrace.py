@@ -46,16 +46,30 @@ class Race:
     second: tuple
 
     lines: tuple = ("", "")  # where each access was made in the kernel's source ("line 21: k_tile[j, c] = ...")
+    # The order of accesses within each of the two threads, which the simulator's scheduling cannot change: had
+    # the writer already read shared memory in this epoch when it wrote, had the reader already written?
+    writer_read_before: bool = False
+    reader_wrote_before: bool = False
 
     @property
     def missing(self) -> str:
-        """Which barrier is missing: read after write -> after loading; write after read -> after using."""
+        """Which barrier is missing. Loads then reads in one epoch (the reader had loaded its share before reading):
+        the barrier after loading. Reads then loads (the writer had read this tile before loading the next): the
+        barrier after using. Only when neither thread tells (e.g. a thread with nothing to load), the order the
+        simulator ran them in: read after write -> after loading, write after read -> after using."""
         kinds = (self.first[1], self.second[1])
-        if kinds == ("write", "read"):
-            return "after loading"
-        if kinds == ("read", "write"):
+        if "read" not in kinds:
+            return "between two writes"
+        if self.writer_read_before:
             return "after using"
-        return "between two writes"
+        if self.reader_wrote_before:
+            return "after loading"
+        return "after loading" if kinds == ("write", "read") else "after using"
+
+    @property
+    def certain(self) -> bool:
+        """Whether :attr:`missing` comes from the threads' own order rather than the simulator's."""
+        return self.writer_read_before or self.reader_wrote_before
 
     def __str__(self) -> str:
         def who(idx):
@@ -109,6 +123,15 @@ def _here():
     return block, thread, getattr(th, "_flashlab_epoch", 0)
 
 
+def _done_before(epoch: int, write: bool) -> bool:
+    """Whether this thread has already done the other kind of access (a read, for a write) in ``epoch``; records
+    this access's kind."""
+    th = threading.current_thread()
+    other, own = ("_flashlab_read_in", "_flashlab_wrote_in") if write else ("_flashlab_wrote_in", "_flashlab_read_in")
+    setattr(th, own, epoch)
+    return getattr(th, other, None) == epoch
+
+
 class _TracedShared:
     """Stands in for a simulator shared array; checks every access against the other threads' accesses."""
 
@@ -142,6 +165,7 @@ class _TracedShared:
 
     def _record(self, index, write: bool):
         block, thread, epoch = _here()
+        before = _done_before(epoch, write)  # a write: read before it; a read: wrote before it (this epoch)
         flats = self._flat(index)
         frame = _kernel_frame()
         line = (frame.f_code.co_filename, frame.f_lineno) if frame is not None else None
@@ -151,28 +175,29 @@ class _TracedShared:
                 key = (block, f)
                 w = self._writer.get(key)
                 if w is not None and w[1] == epoch and w[0] != thread:
-                    self._race(block, f, epoch, (w[0], "write"), (thread, "write" if write else "read"))
+                    self._race(block, f, epoch, (w[0], "write"), (thread, "write" if write else "read"),
+                               w[2], not write and before)
                 readers = self._readers.get(key)
                 if write:
                     if readers and readers[0] == epoch:
-                        for r in readers[1]:
+                        for r, wrote_before in readers[1].items():
                             if r != thread:
-                                self._race(block, f, epoch, (r, "read"), (thread, "write"))
+                                self._race(block, f, epoch, (r, "read"), (thread, "write"), before, wrote_before)
                                 break
-                    self._writer[key] = (thread, epoch)
-                    self._readers[key] = (epoch, set())
+                    self._writer[key] = (thread, epoch, before)
+                    self._readers[key] = (epoch, {})
                 else:
                     if readers is None or readers[0] != epoch:
-                        readers = (epoch, set())
+                        readers = (epoch, {})
                         self._readers[key] = readers
-                    readers[1].add(thread)
+                    readers[1].setdefault(thread, before)
             if self._keep:
                 pos = np.unravel_index(flats, self._data.shape)
                 for k in range(len(flats)):
                     self._trace.accesses.append(
                         SharedAccess(self._name, block, thread, epoch, write, tuple(int(p[k]) for p in pos)))
 
-    def _race(self, block, flat, epoch, first, second):
+    def _race(self, block, flat, epoch, first, second, writer_read_before=False, reader_wrote_before=False):
         if len(self._trace.races) < self._max_races:
             index = tuple(int(i) for i in np.unravel_index(flat, self._data.shape))
             lines = []
@@ -180,7 +205,8 @@ class _TracedShared:
                 where = self._lines.get((block, thread, epoch, flat, kind == "write"))
                 text = linecache.getline(*where).strip() if where else ""
                 lines.append(f"line {where[1]}: {text}" if where and text else f"line {where[1]}" if where else "")
-            self._trace.races.append(Race(self._name, block, index, epoch, first, second, tuple(lines)))
+            self._trace.races.append(Race(self._name, block, index, epoch, first, second, tuple(lines),
+                                          writer_read_before, reader_wrote_before))
 
     def __getitem__(self, index):
         self._record(index, write=False)

@@ -11,6 +11,7 @@ import math
 import pathlib
 import re
 
+import numpy as np
 import pytest
 
 from flashlab import gpu as fgpu
@@ -157,8 +158,6 @@ def test_no_claim_of_one_change_per_file_or_of_a_hopper_rung_to_come():
 # --- chapter 8 ---------------------------------------------------------------------------------------------------
 
 def test_chapter8_counts_dq_atomics_with_the_default_kernels_block():
-    import numpy as np
-
     from flashlab.bench import forward
     ns = {"math": math, "np": np, "gbwd": gbwd, "forward": forward}
     printed = run_cells(CH8, ["69df3408"], ns)
@@ -220,3 +219,254 @@ def test_every_timed_record_shown_states_protocol_and_units(path):
             assert re.search(r"TFLOP/s|\bms\b|µs", where), f"{path.name}: {name} shown without units"
             checked += 1
     assert checked, f"{path.name} shows no timed record"
+
+
+# --- the chapters on the learner's GPU ---------------------------------------------------------------------------
+# A GPU is simulated by its limits (flashlab.gpu.KNOWN_DEVICES) behind the NumPy stand-in for CuPy of tools/hostemu,
+# whose kernels record their launches instead of running (as tests/test_gpu_plan.py does); the chapters' cells are
+# run as they are, and what they launch, or the reason they give for showing a recorded run, is checked against
+# the package's own decision (flashlab.gpu.cannot_run).
+
+LAB08 = ROOT / "solutions" / "lab08_split_kv_decoding.ipynb"
+T4, H100 = fgpu.KNOWN_DEVICES["T4"], fgpu.KNOWN_DEVICES["H100"]
+
+
+def _hostemu():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hostemu", ROOT / "tools" / "hostemu" / "hostemu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def learner_gpu(monkeypatch):
+    """``learner_gpu(lim)``: the package sees a GPU with ``lim``'s limits; returns the list that every kernel launch
+    is appended to as (file, function)."""
+    import sys
+
+    hostemu = _hostemu()
+    launches: list[tuple[str, str]] = []
+    files = {p.read_text(): p.name for p in fgpu.KERNEL_DIR.glob("*.cu")}
+
+    class Module:
+        def __init__(self, code, options=()):
+            self.file = files[code]
+
+        def get_function(self, name):
+            return lambda grid, block, args, shared_mem=0: launches.append((self.file, name))
+
+    def simulate(lim: fgpu.DeviceLimits) -> list[tuple[str, str]]:
+        cp = hostemu.fake_cupy()
+        cp.RawModule = Module
+        monkeypatch.setitem(sys.modules, "cupy", cp)
+        monkeypatch.setattr(fgpu, "gpu_available", lambda: True)
+        monkeypatch.setattr(fgpu, "device_limits", lambda: lim)
+        monkeypatch.setattr(fgpu, "_FUNCTIONS", {})
+        fgpu._module.cache_clear()
+        return launches
+
+    yield simulate
+    fgpu._module.cache_clear()
+
+
+class Bench:
+    """Stands in for flashlab.bench.forward in a chapter's namespace: records the command lines of ``main`` (the
+    rest is the module's)."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+
+    def __getattr__(self, name):
+        from flashlab.bench import forward
+
+        return getattr(forward, name)
+
+    def main(self, argv: list[str]) -> int:
+        self.calls.append(argv)
+        return 0
+
+
+def test_no_chapter_checks_the_gpu_its_own_way():
+    """Every cell that decides between a live run and a recorded one asks the package (cannot_run_here)."""
+    for path in (CH6, CH7, CH8, LAB08):
+        code = [text(c) for c in cells(path) if c["cell_type"] == "code"]
+        assert not any("compute_capability" in c for c in code), path.name
+        assert sum("gpu_available()" in c for c in code) <= 1, path.name  # the setup cell's greeting at most
+        assert not any(re.search(r"^if GPU\b", c, re.M) for c in code), path.name
+        assert any("fgpu.cannot_run_here(" in c for c in code), path.name
+
+
+def test_chapter6_runs_rungs_1_and_2_live_on_a_t4(learner_gpu):
+    launches = learner_gpu(T4)
+    ns: dict = {}
+    printed = run_cells(CH6, ["100fee57", "3778a03c"], ns)
+    assert f"GPU: {T4}" in printed
+    bench = ns["forward"] = Bench()
+    with np.errstate(invalid="ignore"):  # the launches are recorded, not run: o is left uninitialised
+        printed = run_cells(CH6, ["9867938a", "4a5af0d9"], ns)
+    assert "Not run live" not in printed and printed.count("max |o - reference|") == 2
+    assert launches == [("r1_scalar.cu", "attn_fwd_f32_d64"), ("r2_smem_tiles.cu", "attn_fwd_f32_d64")]
+    assert len(bench.calls) == 1 and bench.calls[0][:4] == ["--impls", "cupy_naive", "scalar", "smem_tiles"]
+
+
+@pytest.fixture
+def ch7_on(learner_gpu):
+    """``ch7_on(lim)``: chapter 7's setup and loop helper run on a simulated ``lim``; (namespace, launches, bench)."""
+    def setup(lim):
+        launches = learner_gpu(lim)
+        ns: dict = {}
+        run_cells(CH7, ["62371c92", "rung-code-helper"], ns)
+        ns["display"] = lambda obj: None
+        ns["forward"] = Bench()
+        return ns, launches, ns["forward"]
+    return setup
+
+
+def test_chapter7_on_a_t4_shows_the_recorded_ladder_and_says_why(ch7_on):
+    ns, launches, bench = ch7_on(T4)
+    printed = run_cells(CH7, ["d4e18aa6"], ns)
+    why = fgpu.cannot_run("forward", T4, d=128, kernel="mma")
+    assert why and "needs sm_80 or newer" in why and "this GPU is sm_75 (compute capability)" in why
+    assert f"Not run live: {why}. The table above is the recorded H200 run." in printed
+    assert not bench.calls and not launches
+    printed = run_cells(CH7, ["705bd2bb", "99a58e92", "eaf1873c"], ns)  # the host-time table: backward and decode
+    assert f"Not run live: {fgpu.cannot_run('backward', T4)}." in printed and "recorded on" in printed
+
+
+def test_chapter7_times_the_turing_kernel_as_best_on_a_t4_and_says_why_rung9_cannot_run(ch7_on):
+    ns, launches, _ = ch7_on(T4)
+    printed = run_cells(CH7, ["turing-measure"], ns)
+    assert "Not measured" not in printed
+    assert set(launches) == {("r3t_mma_m16n8k8.cu", "attn_fwd_f16_d128")}  # "best" is the Turing kernel itself
+    plan_line = printed.splitlines()[0]
+    assert plan_line.startswith("forward: 'turing' (r3t_mma_m16n8k8.cu")
+    assert re.search(r"passed over 'addressing', .*'mma': needs sm_80 or newer at d = 128; this GPU is sm_75",
+                     plan_line)
+    assert re.search(r"^turing +[\d.]+ TFLOP/s$", printed, re.M) and printed.count("TFLOP/s") == 1
+
+
+def test_chapter7_times_turing_beside_rung9_on_an_h100(ch7_on):
+    ns, launches, _ = ch7_on(H100)
+    printed = run_cells(CH7, ["turing-measure"], ns)
+    assert {f for f, _ in launches} == {"r3t_mma_m16n8k8.cu", "r9_addressing.cu"}
+    assert re.search(r"^addressing +[\d.]+ TFLOP/s$", printed, re.M)
+
+
+def test_chapter7_turing_cell_without_a_gpu_says_so():
+    ns: dict = {}
+    run_cells(CH7, ["62371c92"], ns)
+    assert run_cells(CH7, ["turing-measure"], ns).strip() == "Not measured here: there is no GPU here."
+
+
+def test_chapter7_table_of_choices_is_plan_for_on_each_known_gpu():
+    shown: list[str] = []
+    ns: dict = {}
+    run_cells(CH7, ["62371c92"], ns)
+    ns["display"] = lambda obj: shown.append(obj.data)
+    printed = run_cells(CH7, ["turing-plan"], ns)
+    rows = {line.split(" | ")[0].strip("| "): line for line in shown[-1].splitlines()[2:]}
+    assert list(rows) == list(fgpu.KNOWN_DEVICES)
+    for name, lim in fgpu.KNOWN_DEVICES.items():
+        for d in fgpu.HEAD_DIMS:
+            assert f"`{fgpu.plan_for('forward', lim, d=d).kernel}`" in rows[name]
+        backward = "none" if fgpu.cannot_run("backward", lim) else f"`{fgpu.plan_for('backward', lim).kernel}`"
+        assert rows[name].split(" | ")[-2] == backward
+    assert rows["T4"].count("`turing`") == 2
+    assert str(fgpu.plan_for("forward", T4, d=128)) in printed
+    assert "needs sm_80 or newer at d = 128; this GPU is sm_75 (compute capability)" in printed
+
+
+def test_chapter7_turing_section_diffs_its_loop_against_rung_4():
+    ns: dict = {}
+    run_cells(CH7, ["62371c92", "rung-code-helper"], ns)
+    printed = run_cells(CH7, ["turing-diff"], ns)
+    assert printed.startswith("rung 4 -> turing: ") and "more lines" not in printed
+    assert "+                mma_k16_as_two_k8(s[nt], qf[kk], bf[0], bf[1]);" in printed  # two k8 per k16 step
+    assert re.search(r"^-.*cp_async|^\+.*fetch\(", printed, re.M)  # register-staged prefetch
+    assert "// Turing --" not in printed  # the loop, not the file's header comment
+    prose = text(cell_by_id(CH7, "turing-speed-text"))
+    assert "does not measure the T4's speed" in prose
+
+
+def test_chapter8_on_a_t4_names_the_limit_and_shows_the_records(learner_gpu):
+    launches = learner_gpu(T4)
+    ns: dict = {}
+    printed = run_cells(CH8, ["dc4264cb", "4e41598a", "7844046e", "13daa64d"], ns)
+    assert f"GPU: {T4}" in printed
+    reasons = re.findall(r"^Not run live: (.*)\.$", printed, re.M)
+    assert reasons == [fgpu.cannot_run("backward", T4), fgpu.cannot_run("backward", T4, d=64, kernel=gbwd.KERNELS[0]),
+                       fgpu.cannot_run("decode", T4, kernel="keys")]
+    assert all("needs sm_80 or newer" in r and "sm_75 (compute capability)" in r for r in reasons)
+    assert not launches
+    assert "recorded on" in printed  # the recorded runs are shown instead
+
+
+def test_lab08_on_a_t4_says_why_the_merge_is_not_run_on_the_kernels_partials(learner_gpu):
+    learner_gpu(T4)
+    ns: dict = {}
+    printed = run_cells(LAB08, ["cb0ba38f", "bc015227", "65a0ad32"], ns)
+    why = fgpu.cannot_run("decode", T4)
+    assert f"Not run here: {why}." in printed and "sm_75" in why
+    released = ROOT / "labs" / LAB08.name
+    assert text(cell_by_id(released, "65a0ad32")) == text(cell_by_id(LAB08, "65a0ad32"))
+
+
+def test_chapter8_shows_its_kernels_main_loops_not_their_header_comments():
+    from flashlab.gpu import decoding
+
+    ns: dict = {}
+    run_cells(CH8, ["dc4264cb"], ns)
+    shown = {"1cd34709": gbwd.KERNEL_FILE, "1fd08763": gbwd.MMA_FILE, "a23fbb31": gbwd.PIPE_FILE,
+             "5157abcf": decoding.KERNEL_FILE, "baa58f58": decoding.KEYS_FILE}
+    ns["report"] = lambda path: None  # ptxas's report is another test's business
+    for cell_id, file in shown.items():
+        printed = run_cells(CH8, [cell_id], ns)
+        header = (fgpu.KERNEL_DIR / file).read_text().split("\n\n")[0]
+        assert not any(line in printed for line in header.splitlines() if len(line) > 20), (cell_id, file)
+        if cell_id == "a23fbb31":  # the third kernel as a diff of the loop from the second's
+            hunks = rungs.loop_hunks(gbwd.MMA_FILE, file, ignore_indent=True)
+            assert printed.startswith("\n".join(hunks)) and any(line.startswith("+") and "prefetch" in line
+                                                                 for line in hunks)
+            assert len(hunks) < len(rungs.loop_hunks(gbwd.MMA_FILE, file))  # indentation alone is not shown
+        else:
+            assert rungs.loop_source(file) in printed + "\n", (cell_id, file)
+
+
+# --- chapter 9 on lab 06: the mistakes without the lab's answer ---------------------------------------------------
+
+@pytest.mark.slow
+def test_chapter9_shows_lab06_mistakes_without_the_labs_loop_body():
+    from flashlab import mistakes
+
+    ch9 = next((ROOT / "notebooks").glob("09_*.ipynb"))
+    assert "Read this chapter after the labs." in text(cells(ch9)[0])
+    ns: dict = {}
+    printed = run_cells(ch9, ["14aa7970", "94aa9634"], ns)
+    shown = [m for m in ns["book"].shown if m.lab_id == "lab06"]
+    assert shown and shown == mistakes.catalogue(["lab06"])  # every one, once
+    lines = {line.strip() for line in printed.splitlines()}
+    assert "The code, right (-) and wrong (+):" not in lines
+    for m in shown:
+        right, wrong = mistakes.known("lab06").sources(m.mutant)
+        code = [re.sub(r"\s*//.*$", "", line).strip() for line in right.splitlines()]
+        wrong_lines = {re.sub(r"\s*//.*$", "", line).strip() for line in wrong.splitlines()}
+        answer = [line for line in code if len(line) > 8 and line not in wrong_lines]  # the lines the mistake changed
+        unchanged = [line for line in code if len(line) > 8 and line in wrong_lines and line not in answer]
+        assert not any(line in lines for line in answer), (m.title, answer)
+        report = printed.split(m.title, 1)[1]
+        report = report[:report.find("lab06 q", 1)] if "lab06 q" in report else report
+        assert not any(line in {x.strip() for x in report.splitlines()} for line in unchanged), m.title
+    assert printed.count("The wrong lines") + printed.count("leaves a line out") == len(shown)
+
+
+def test_lab06_answer_on_overflow_uses_float32s_limit():
+    lab06 = ROOT / "solutions" / "lab06_cuda_online_softmax.ipynb"
+    body = text(next(c for c in cells(lab06) if text(c).startswith("## Check yourself")))
+    answers = body.split("<summary>Answers</summary>")[1]
+    assert len(re.findall(r"^\d+\. ", answers, re.M)) == len(re.findall(r"^\d+\. ", body.split("<details>")[0], re.M))
+    limit = math.log(np.finfo(np.float32).max)  # where expf overflows
+    assert f"> {limit:.1f}" in answers and f"q·k above about {round(limit * math.sqrt(64))}" in answers
+    released = ROOT / "labs" / lab06.name
+    assert answers in text(next(c for c in cells(released) if text(c).startswith("## Check yourself")))

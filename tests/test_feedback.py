@@ -215,3 +215,11 @@ def test_rates_count_names_and_wrong_guesses():
     lab_rates = mistakes.rates(outcomes)["lab01"]
     assert lab_rates.named_rate == 0.5 and lab_rates.false_likely == 1 and not lab_rates.meets_targets
     assert "MISSES A TARGET" in lab_rates.line()
+
+
+def test_lab08_inputs_are_labelled_by_name():  # lab 05's, in the simulator: tests/test_mistakes.py
+    from flashlab.grading import lab08
+
+    r = run_question("lab08", "q2", [lab08._split_floor_dropped], seed=1)
+    assert "num_splits = " in r.feedback and "arg1" not in r.feedback, r.feedback
+    assert r.diagnoses == ["the last keys fall in no split (the split length rounded down)"], r.feedback

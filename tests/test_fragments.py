@@ -214,3 +214,13 @@ def test_chapter_7_passes_and_swizzle_are_the_package_s(ch7, rng):
         for chunk in range(D // 8):
             assert ch7["chunk_address"](row, chunk, False) == fragments.chunk_address(row, chunk, None, d=D)
             assert ch7["chunk_address"](row, chunk, True) == fragments.chunk_address(row, chunk, fragments.swizzle, d=D)
+
+
+def test_show_layout_draws_a_map_that_points_outside_the_operand():
+    def transposed_b(lane):  # a natural mistake: B's (row, column) written as (column, row)
+        g, t = lane // 4, lane % 4
+        return [(g, 2 * t), (g, 2 * t + 1), (g, 2 * t + 8), (g, 2 * t + 9)]
+
+    text = fragments.show_layout(transposed_b, fragments.SHAPES["B"])
+    assert "outside the 16 x 8 operand: lane 0 value 2 at (0, 8)" in text, text
+    assert " ?  " in text  # the elements no lane holds are still marked

@@ -430,6 +430,8 @@ def test_cpu_each_mutant_alone_is_named_over_many_seeds():
             r = t.result("q2", lab06.Q2_POINTS)
             assert r.score < r.max_score and mu.message in r.feedback, (mu.tag, seed, r.feedback)
             assert set(r.diagnoses) == {mistake_title(mu.message)}, (mu.tag, seed, r.diagnoses)
+            if mu.tag == "unguarded":  # one mistake, one part: the missing guard keeps the overflow point
+                assert [got for label, got, *_ in t.parts if label.startswith("huge")] == [1.0], (seed, t.parts)
 
 
 @needs_gxx
@@ -602,3 +604,21 @@ def test_gpu_attention_helper_matches_the_reference(rng):
     O_ref, L_ref = reference.attention(Q.astype(np.float64), K, V, causal=True, scale=scale)
     assert lab06.close((O, L), (O_ref, L_ref))
     assert np.isneginf(L[: n - m]).all() and (O[: n - m] == 0).all()
+
+
+@needs_gxx
+def test_the_try_it_cell_reports_a_kernel_that_does_not_compile(capsys):
+    """The lab's own "try it" cell, run with a KERNEL missing a semicolon: the compiler's message, no traceback."""
+    import nbformat
+
+    nb = nbformat.read(RELEASED, as_version=4)
+    (cell,) = [c for c in nb.cells if c.cell_type == "code" and "lab06.attention(KERNEL" in c.source]
+    broken = lab06.render(lab06.SOLUTION).replace("const float corr = expf(mx - mnew);",
+                                                  "const float corr = expf(mx - mnew)")
+    with pytest.raises(lab06.CompileFailed, match="error"):
+        lab06.attention(broken, *np.ones((3, 2, 16), dtype=np.float32))
+    namespace = {"np": np, "lab06": lab06, "reference": reference, "KERNEL": broken,
+                 "gpu_available": lambda: False}
+    exec(cell.source, namespace)  # noqa: S102 - the lab's own cell
+    out = capsys.readouterr().out
+    assert "does not compile" in out and "error" in out, out

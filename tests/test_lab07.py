@@ -121,6 +121,8 @@ def test_an_unknown_mistake_shows_the_failing_input_and_names_nothing():
     r = run_question("lab07", "q2", [doubled], seed=4)
     assert r.score == 0 and r.diagnoses == [] and "Smallest failing input" in r.feedback
     assert "l_new: largest difference" in r.feedback and "p: correct" in r.feedback
+    # the input is shown under the names of the learner's own parameters, however the grader wraps the function
+    assert "s = " in r.feedback and "o = " in r.feedback and "arg1" not in r.feedback, r.feedback
 
 
 def test_chapter_9_reports_a_lab07_mistake_with_its_demo():
@@ -147,3 +149,38 @@ def test_an_exception_in_a_map_is_feedback_and_the_other_parts_keep_their_points
 
     r = run_question("lab07", "q1", [a, b, c_breaks_on_lane_7], seed=6)
     assert r.score == 2 and "lane 7: IndexError: list index out of range" in r.feedback, r.feedback
+
+
+def _reduced_with(max_offsets, sum_offsets):
+    """A learner's softmax_tile whose quad reductions use the given shfl_xor offsets (right: 1 and 2 for both)."""
+    def softmax_tile(s, m, l, o):  # noqa: E741
+        s, m, l, o = (np.asarray(x, dtype=np.float64) for x in (s, m, l, o))  # noqa: E741
+        row_max = np.stack([s[:, :, 0:2].max(axis=(1, 2)), s[:, :, 2:4].max(axis=(1, 2))], axis=1)
+        for k in max_offsets:
+            row_max = np.maximum(row_max, fragments.shfl_xor(row_max, k))
+        m_new = np.maximum(m, row_max)
+        safe = np.where(np.isneginf(m_new), 0.0, m_new)
+        alpha = np.exp(m - safe)
+        p = np.exp(s - safe[:, None, [0, 0, 1, 1]])
+        row_sum = np.stack([p[:, :, 0:2].sum(axis=(1, 2)), p[:, :, 2:4].sum(axis=(1, 2))], axis=1)
+        for k in sum_offsets:
+            row_sum = row_sum + fragments.shfl_xor(row_sum, k)
+        return p, m_new, alpha * l + row_sum, o * alpha[:, None, [0, 0, 1, 1]]
+
+    return softmax_tile
+
+
+@pytest.mark.parametrize("max_offsets, sum_offsets, named", [
+    ((1, 4), (1, 2), "the row max is reduced over the wrong lanes"),
+    ((1,), (1, 2), "the row max is reduced over the wrong lanes"),
+    ((1, 2), (1, 4), "the row sum is reduced over the wrong lanes"),
+    ((1, 8), (1, 8), "the row max and sum are reduced over the wrong lanes"),
+    ((2, 1), (2, 1), None),
+])
+def test_a_reduction_over_any_wrong_lanes_is_named(max_offsets, sum_offsets, named):
+    for seed in SEEDS[:3]:
+        r = run_question("lab07", "q2", [_reduced_with(max_offsets, sum_offsets)], seed=seed)
+        if named is None:
+            assert r.score == 4 and r.diagnoses == []
+        else:
+            assert r.score == 0 and [d for d in r.diagnoses if d.startswith(named)] == r.diagnoses != [], r.feedback

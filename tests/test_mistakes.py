@@ -180,6 +180,7 @@ def test_simulator_mistakes_are_named_and_their_demos_show_them():
     for name, score, max_score, named, feedback, demo_differs in res:
         assert score < max_score and named, f"{name} not named:\n{feedback}"
         assert demo_differs in (None, True), f"{name}: its demo inputs do not show it"
+        assert "arg1 = " not in feedback, f"{name}: the failing input is shown without its argument names"
 
 
 @pytest.mark.gpu

@@ -50,7 +50,8 @@ def test_tracer_finds_missing_barriers_and_none_in_the_kernel():
             for _ in range(3):  # the verdict must not depend on how the simulator scheduled the threads
                 with trace_shared_memory() as trace:
                     nk.launch(make(*flags), Q, K, V, block_q=BQ)
-                counts.append(len(trace.races))
+                told = sorted({r.missing for r in trace.races if r.certain})
+                counts.append([len(trace.races), told])
             out[name] = counts
         errors = []
         for _ in range(4):  # tracing must not change what the kernel computes
@@ -61,9 +62,12 @@ def test_tracer_finds_missing_barriers_and_none_in_the_kernel():
         out["first_race"] = str(trace.races[0]) if trace.races else ""
         print(json.dumps(out))
     """)
-    assert res["both"] == [0, 0, 0]
+    assert res["both"] == [[0, []]] * 3
     for name in ("no_first", "no_second", "none"):
-        assert all(c > 0 for c in res[name]), (name, res[name])
+        assert all(c > 0 for c, _ in res[name]), (name, res[name])
+    # which barrier is missing, from the threads' own order: the same on every run
+    assert [told for _, told in res["no_first"]] == [["after loading"]] * 3, res["no_first"]
+    assert [told for _, told in res["no_second"]] == [["after using"]] * 3, res["no_second"]
     races, shapes, accesses, error = res["kernel"]
     assert races == 0 and shapes == [[8, 4], [8, 4]] and accesses > 0 and error < 1e-12
 
@@ -111,9 +115,11 @@ def test_lab05_names_each_classic_kernel_mistake(rng):
     res = run_in_simulator(f"SEED = {int(rng.integers(2**31))}\n{code}", cwd=ROOT)
     assert res["solution"][0] == res["solution"][1] == 6, res["solution"][2]
     assert res["launch"][0] == res["launch"][1] == 2, res["launch"][2]
-    for name in ("no_first_barrier", "no_second_barrier"):
+    for name, which, other in (("no_first_barrier", "after loading", "after using"),
+                               ("no_second_barrier", "after using", "after loading")):
         score, _, feedback = res[name]
-        assert score <= 1 and "missing barrier" in feedback, (name, feedback)
+        assert score <= 1 and f"missing barrier {which}" in feedback, (name, feedback)
+        assert f"missing barrier {other}" not in feedback, (name, feedback)
         assert "[FAIL] no data races" in feedback
     for name in ("unguarded_load", "whole_last_tile"):
         score, _, feedback = res[name]

@@ -354,3 +354,13 @@ def test_real_run_feedback_replays_to_the_same_score(graded):
     assert again.score == float(graded["table"]["carol"]["q1"])
     assert sorted(p.name for p in (graded["out"] / "feedback").iterdir()) == [
         f"{s}.md" for s in ("alice", "bob", "carol", "dan", "erin")]
+
+
+def test_the_summary_counts_lost_points_with_no_mistake_named_and_speaks_of_one_student(tmp_path):
+    rows = [_row("lab01_a.ipynb", {"q2": 0}), _row("lab01_b.ipynb", {"q2": 0}, diagnoses={"q2": ["averaging"]})]
+    report.write_gradebook(report.build(rows, id_pattern=re.compile(r"_(\w+)")), tmp_path)
+    q2 = json.loads((tmp_path / "summary.json").read_text())["labs"]["lab01"]["questions"]["q2"]
+    assert q2["undiagnosed"] == 1 and q2["mistakes"] == {"averaging": 1}
+    assert "- 1 × lost points with no mistake named" in (tmp_path / "summary.md").read_text()
+    report.write_gradebook(report.build(rows[:1], id_pattern=re.compile(r"_(\w+)")), tmp_path / "one")
+    assert "1 student, 1 graded" in (tmp_path / "one" / "summary.md").read_text()

@@ -162,3 +162,61 @@ def test_diff_of_an_unknown_rung_is_a_usage_error():
     out = subprocess.run([sys.executable, "-m", "flashlab.gpu.rungs", "diff", "8", "nonsense"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "names 0 kernel files" in out.stderr
+
+
+# ----------------------------------------------------------------------------------------------- main loops
+def test_the_main_loop_of_every_forward_rung_is_its_loop_over_key_tiles():
+    tile_loop = re.compile(r"^    for \(int (?:j|k0|t) = 0; .*\{$")  # how each rung writes it
+    for name, rung in fgpu.RUNGS.items():
+        lines = rung.source().splitlines()
+        first, last = rungs.main_loop(name)
+        assert tile_loop.match(lines[first - 1]), (name, lines[first - 1])
+        assert sum(bool(tile_loop.match(line)) for line in lines) == 1, name
+        assert lines[last - 1] == "    }" and all(line.startswith(("     ", "#")) or not line.strip()
+                                                  for line in lines[first:last - 1]), name
+
+
+@pytest.mark.parametrize("stem, head", [
+    ("bwd_r1_smem", "for (int g = 0; g < G; ++g) {"),
+    ("bwd_r2_mma", "for (int gi = 0; gi < G; ++gi) {"),
+    ("bwd_r3_pipelined", "for (int i = 0; i < steps; ++i) {"),
+    ("decode_r1_split", "for (int k0 = kbeg; k0 < kend; k0 += BC) {"),
+    ("decode_r2_warp_keys", "for (int c0 = kbeg + warp * KW; c0 < kend; c0 += NW * KW) {"),
+])
+def test_the_backward_and_decoding_kernels_main_loops_are_found(stem, head):
+    loop = rungs.loop_source(stem)
+    assert loop.splitlines()[0] == "    " + head and loop.endswith("\n    }\n")
+    assert loop.count("{") == loop.count("}")  # a whole loop, braces balanced
+    text = rungs.resolve(stem).read_text()
+    assert loop in text
+    lengths = []  # every top-level loop's lines, by counting braces from its head
+    for m in re.finditer(r"^    for \(.*\{", text, re.M):
+        depth, i = 0, m.start()
+        while True:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+            if depth == 0 and text[i - 1] == "}":
+                break
+        lengths.append(text[m.start():i].count("\n") + 1)
+    assert len(loop.splitlines()) == max(lengths)  # the longest loop at the top level of a function
+
+
+def test_loop_hunks_keep_only_what_touches_the_loop():
+    whole = rungs.rung_diff("bwd_r2", "bwd_r3", context=1)
+    kept = rungs.loop_hunks("bwd_r2", "bwd_r3")
+    first, last = rungs.main_loop("bwd_r3")
+    assert kept and len(kept) < whole.count("\n") and kept[0].startswith("@@ ")
+    for line in kept:
+        if h := re.match(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@", line):
+            start, size = int(h[1]), int(h[2] or 1)
+            assert start <= last and start + size - 1 >= first, line
+    assert not any("// Backward" in line or "// Rung" in line for line in kept)  # no header comment
+
+
+def test_loop_command_prints_the_loop_or_its_diff():
+    out = subprocess.run([sys.executable, "-m", "flashlab.gpu.rungs", "loop", "decode_r2"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout == rungs.loop_source("decode_r2_warp_keys")
+    out = subprocess.run([sys.executable, "-m", "flashlab.gpu.rungs", "loop", "4", "turing"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout == "\n".join(rungs.loop_hunks("4", "turing")) + "\n"

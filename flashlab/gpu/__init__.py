@@ -583,6 +583,20 @@ def cannot_run(op: str, device: DeviceLimits | None = None, **what) -> str | Non
     return None
 
 
+def cannot_run_here(op: str = "forward", *kernels: str, **what) -> str | None:
+    """Why this machine cannot run ``op`` live with each of ``kernels`` (default "best"), or None when it can: "there is
+    no GPU here" without one, else the limit that ``cannot_run`` names for the first kernel this GPU cannot run.
+    ``what``: dtype and d as for ``plan_for``. The chapters ask it before a cell that launches kernels and show
+    the recorded run instead when it answers."""
+    if not gpu_available():
+        return "there is no GPU here"
+    for kernel in kernels or ("best",):
+        why = cannot_run(op, kernel=kernel, **what)
+        if why is not None:
+            return why
+    return None
+
+
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kernel: str | Rung = "best",
               bf16: bool = False, out: tuple[Any, Any] | None = None):
     """FlashAttention forward on the GPU. Returns ``(o, lse)``.

@@ -16,6 +16,7 @@ Command line (rungs by number, file name, stem, a unique stem prefix such as ``b
 
     python -m flashlab.gpu.rungs list           # every kernel file and the one line of what it changes
     python -m flashlab.gpu.rungs diff 8 9       # unified diff between two files (-U N lines of context)
+    python -m flashlab.gpu.rungs loop bwd_r3    # a file's main loop; with a second file, the diff of that loop
     python -m flashlab.gpu.rungs helpers        # which files share each helper, and where copies differ
 """
 
@@ -27,6 +28,7 @@ import difflib
 import pathlib
 import re
 import sys
+from collections.abc import Callable, Iterable, Iterator
 
 from . import KERNEL_DIR, RUNGS
 
@@ -134,6 +136,71 @@ def rung_diff(a: str, b: str, context: int = 3) -> str:
     lines = difflib.unified_diff(pa.read_text().splitlines(keepends=True), pb.read_text().splitlines(keepends=True),
                                  fromfile=pa.name, tofile=pb.name, n=context)
     return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
+
+
+# ------------------------------------------------------------------------------------------------ main loops
+# A loop at the top level of a function body (four spaces in): the kernels are written so, and nothing else is.
+_TOP_FOR = re.compile(r"^    for \(.*\{\s*(//.*)?$")
+
+
+def main_loop(spec: str) -> tuple[int, int]:
+    """First and last line (1-based) of a kernel file's main loop: the longest loop at the top level of a function
+    body. For the forward rungs it is the loop over key tiles; for the backward, the loop over the query tiles of a
+    block's keys (over the heads of its group first, in ``bwd_r1`` and ``bwd_r2``); for decoding, over a split's
+    keys."""
+    lines = resolve(spec).read_text().splitlines()
+    loops = []
+    for i, line in enumerate(lines):
+        if _TOP_FOR.match(line):
+            end = lines.index("    }", i)  # the body is indented further: the first brace back at four spaces
+            loops.append((end - i, i + 1, end + 1))
+    if not loops:
+        raise ValueError(f"{resolve(spec).name} has no loop at the top level of a function")
+    return max(loops)[1:]
+
+
+def loop_source(spec: str) -> str:
+    """The text of a kernel file's main loop (:func:`main_loop`)."""
+    first, last = main_loop(spec)
+    return "\n".join(resolve(spec).read_text().splitlines()[first - 1:last]) + "\n"
+
+
+_HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@")
+
+
+def _hunks(a: list[str], b: list[str], context: int, same: Callable[[str], str]) -> Iterator[str]:
+    """Unified-diff hunks (no file lines) from lines ``a`` to lines ``b``, lines compared as ``same(line)``; an
+    unchanged line is printed as ``b`` has it."""
+    matcher = difflib.SequenceMatcher(None, [same(x) for x in a], [same(x) for x in b], autojunk=False)
+    for group in matcher.get_grouped_opcodes(context):
+        (_, i1, _, j1, _), (_, _, i2, _, j2) = group[0], group[-1]
+        yield f"@@ -{i1 + 1},{i2 - i1} +{j1 + 1},{j2 - j1} @@"
+        for tag, a1, a2, b1, b2 in group:
+            if tag == "equal":
+                yield from (" " + x for x in b[b1:b2])
+            else:
+                yield from ("-" + x for x in a[a1:a2])
+                yield from ("+" + x for x in b[b1:b2])
+
+
+def loop_hunks(a: str, b: str, context: int = 1, ignore_indent: bool = False) -> list[str]:
+    """The lines of :func:`rung_diff` from ``a`` to ``b`` in the hunks that touch ``b``'s main loop: what a rung
+    changes in the loop, without its header comment or helpers. ``ignore_indent``: lines that differ only in their
+    indentation count as unchanged (a loop nest flattened into one loop then shows only what it changed)."""
+    first, last = main_loop(b)
+    if ignore_indent:
+        old, new = (resolve(x).read_text().splitlines() for x in (a, b))
+        diff: Iterable[str] = _hunks(old, new, context, str.strip)
+    else:
+        diff = rung_diff(a, b, context=context).splitlines()
+    kept, keep = [], False
+    for line in diff:
+        if h := _HUNK.match(line):
+            start = int(h[1])
+            keep = start <= last and start + int(h[2] or 1) - 1 >= first
+        if keep:
+            kept.append(line)
+    return kept
 
 
 # ----------------------------------------------------------------------------------------------- the helpers
@@ -257,8 +324,8 @@ def helpers_report() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m flashlab.gpu.rungs list | diff A B [-U N] | helpers``; ``helpers`` exits 1 on a difference
-    that KNOWN_VARIANTS does not explain."""
+    """``python -m flashlab.gpu.rungs list | diff A B [-U N] | loop A [B] | helpers``; ``helpers`` exits 1 on a
+    difference that KNOWN_VARIANTS does not explain."""
     parser = argparse.ArgumentParser(prog="python -m flashlab.gpu.rungs", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="every kernel file and what it changes")
@@ -266,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("a")
     d.add_argument("b")
     d.add_argument("-U", "--context", type=int, default=3, help="lines of context (default 3)")
+    lp = sub.add_parser("loop", help="a kernel file's main loop, or (two files) the diff hunks that touch it")
+    lp.add_argument("a")
+    lp.add_argument("b", nargs="?")
     sub.add_parser("helpers", help="which files share each device helper, and where copies differ")
     args = parser.parse_args(argv)
     if args.command == "list":
@@ -273,6 +343,16 @@ def main(argv: list[str] | None = None) -> int:
         width = max(len(f) for f, _, _ in rows)
         for file, name, text in rows:
             print(f"{file:<{width}}  {name:<11} {text}")
+        return 0
+    if args.command == "loop":
+        try:
+            if args.b is None:
+                text = loop_source(args.a)
+            else:
+                text = "\n".join(loop_hunks(args.a, args.b)) + "\n"
+        except ValueError as e:
+            parser.error(str(e))
+        sys.stdout.write(text)
         return 0
     if args.command == "diff":
         try:

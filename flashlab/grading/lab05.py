@@ -19,6 +19,8 @@ q2 ``run_kernel(kernel, Q, K, V, BLOCK_Q)`` launches a (correct, package) kernel
 from __future__ import annotations
 
 import math
+import os
+import traceback
 from typing import Callable
 
 import numpy as np
@@ -62,7 +64,8 @@ def _qkv(t: Trial, batch: int, n: int, m: int, d: int, dv: int):
 
 def _case(t: Trial, batch, n, m, d, dv, bq, bk) -> Case:
     return Case((*_qkv(t, batch, n, m, d, dv), bq, bk),
-                f"batch={batch}, n={n}, m={m}, d={d}, dv={dv}, BLOCK_Q={bq}, BLOCK_K={bk}")
+                f"batch={batch}, n={n}, m={m}, d={d}, dv={dv}, BLOCK_Q={bq}, BLOCK_K={bk}",
+                names=("Q", "K", "V", "BLOCK_Q", "BLOCK_K"))
 
 
 def _ref(case: Case):
@@ -79,27 +82,44 @@ def _zero_padded_ref(case: Case):
     return reference.attention(Q, K, V, scale=scale)
 
 
+def _visits(case: Case, *, drop_ragged: bool = False, step_q: bool = False, skipped: str = "",
+            no_offset: str = "") -> list[tuple[int, int]]:
+    """The (K row, V row) pairs a kernel's update loop folds in, in order, tile by tile: the right loop visits
+    (j, j) for j = 0 .. m - 1; each switch is one wrong loop (a tile step of BLOCK_Q, the "first" or "last" key of
+    every tile skipped, the tile loads of "K", "V" or "KV" without the tile's offset k0)."""
+    _, K, _, bq, bk = case.args
+    m = K.shape[1] - (K.shape[1] % bk if drop_ragged else 0)
+    visits = []
+    for k0 in range(0, m, bq if step_q else bk):
+        for j in range(1 if skipped == "first" else 0, min(bk, m - k0) - (skipped == "last")):
+            visits.append((j if "K" in no_offset else k0 + j, j if "V" in no_offset else k0 + j))
+    return visits
+
+
 def _emulate(case: Case, *, update_max: bool = True, rescale_acc: bool = True, rescale_l: bool = True,
              subtract_max: bool = True, alpha_flipped: bool = False, max_first: bool = False,
-             drop_ragged: bool = False) -> tuple[np.ndarray, np.ndarray]:
+             alpha_on_new: bool = False, **loop) -> tuple[np.ndarray, np.ndarray]:
     """(O, L) of the kernel's loop, key by key in float64, with one of the classic wrong updates switched on: what
-    a kernel with that mistake returns (the known mistakes of q1 are recognised by these outputs)."""
+    a kernel with that mistake returns (the known mistakes of q1 are recognised by these outputs). ``loop`` picks
+    the keys visited (:func:`_visits`)."""
     Q, K, V, _, bk = case.args
-    m = K.shape[1] - (K.shape[1] % bk if drop_ragged else 0)
     q = Q / math.sqrt(Q.shape[2])
     mx = np.full(Q.shape[:2], -np.inf)
     l = np.zeros(Q.shape[:2])  # noqa: E741 -- the kernel's name
     acc = np.zeros(Q.shape[:2] + (V.shape[2],))
     with np.errstate(all="ignore"):
-        for j in range(m):
-            s = np.einsum("bnd,bd->bn", q, K[:, j])
+        for kj, vj in _visits(case, **loop):
+            s = np.einsum("bnd,bd->bn", q, K[:, kj])
             m_new = np.maximum(mx, s)
             if max_first and update_max:
                 mx = m_new
             alpha = np.exp(m_new - mx) if alpha_flipped else np.exp(mx - m_new)
             p = np.exp(s - m_new) if subtract_max else np.exp(s)
-            l = (l * alpha if rescale_l else l) + p  # noqa: E741
-            acc = (acc * alpha[..., None] if rescale_acc else acc) + p[..., None] * V[:, j][:, None, :]
+            if alpha_on_new:
+                l, acc = l + alpha * p, acc + (alpha * p)[..., None] * V[:, vj][:, None, :]  # noqa: E741
+            else:
+                l = (l * alpha if rescale_l else l) + p  # noqa: E741
+                acc = (acc * alpha[..., None] if rescale_acc else acc) + p[..., None] * V[:, vj][:, None, :]
             if update_max:
                 mx = m_new
         return acc / l[..., None], mx + np.log(l)
@@ -126,7 +146,26 @@ UPDATE_MUTANTS = [
            explains=_emulated(alpha_flipped=True)),
     Mutant("the max is updated before alpha is computed: alpha = exp(m_i - m_new) is then always 1 and nothing is "
            "rescaled. Compute alpha with the old max, then set m_i = m_new.", explains=_emulated(max_first=True)),
+    Mutant("alpha multiplies the new term instead of what was accumulated: l_i = l_i * alpha + p and acc = acc * "
+           "alpha + p * v (alpha rescales the old sums to the new max; p is already against it).",
+           explains=_emulated(alpha_on_new=True)),
+    Mutant("the tile loop steps by BLOCK_Q instead of BLOCK_K: for k0 in range(0, m, BLOCK_K) — with BLOCK_Q < "
+           "BLOCK_K keys are counted twice, with BLOCK_Q > BLOCK_K some are never seen.",
+           explains=_emulated(step_q=True)),
+    Mutant("one key of every tile is skipped (an off-by-one in the update loop's bounds): j runs over "
+           "range(min(BLOCK_K, m - k0)), from the tile's first key to its last.", explains=lambda case, got, _: any(
+               allclose(got, _emulate(case, skipped=which)) for which in ("first", "last"))),
 ]
+
+
+def _without_offset(case, got, expected):
+    # K, V or both loaded as K[b, j, c] instead of K[b, k0 + j, c]: every tile then holds the first one's keys
+    return any(allclose(got, _emulate(case, no_offset=which)) for which in ("K", "V", "KV"))
+
+
+UPDATE_MUTANTS.append(
+    Mutant("the tile load forgets the tile's offset: K[b, j, c] (or V[b, j, c]) reads the first tile again for "
+           "every k0; load K[b, k0 + j, c] and V[b, k0 + j, c].", explains=_without_offset))
 
 
 # ------------------------------------------------------------------------------------------- q1: the kernel
@@ -214,8 +253,10 @@ def q1(t: Trial, make_kernel):
         label, got, points, message = t.parts[-1]  # the message may be computed later (a callable)
 
         def with_hint(message=message):
+            # The IndexError names the mistake, so the "no known mistake explains..." line would contradict it.
             text = message() if callable(message) else message
-            return text + "\nLikely mistake: reading past the last ragged tile (see the IndexError above)."
+            text = "\n".join(line for line in text.splitlines() if not line.startswith("No known mistake explains"))
+            return "Likely mistake: reading past the last ragged tile (see the IndexError below).\n" + text
 
         t.parts[-1] = (label, got, points, with_hint)
 
@@ -243,7 +284,10 @@ def q1(t: Trial, make_kernel):
     races = [r for rec in records for r in rec.get("races", []) if isinstance(r, dict)]
     ran = any(rec.get("shapes") for rec in records) and any(rec.get("barriers") for rec in records)
     if races:
-        missing = [m for m in ("after loading", "after using") if any(r.get("missing") == m for r in races)]
+        # The threads' own order tells which barrier is missing; the simulator's order only where it cannot.
+        telling = [r for r in races if r.get("certain")] or races
+        races = telling + [r for r in races if r not in telling]
+        missing = [m for m in ("after loading", "after using") if any(r.get("missing") == m for r in telling)]
         why = {"after loading": "a thread read the tile before every thread had finished loading it: call "
                                 "cuda.syncthreads() after the loads, before the first read",
                "after using": "a thread loaded the next tile while another still read this one: call "
@@ -265,6 +309,17 @@ def simulator_state(_obj) -> bool:
     return numba_cuda.simulator_active()
 
 
+def _kernel_line(error: BaseException) -> str:
+    """"at line N: <code>" of the deepest frame of ``error`` in the learner's kernel (outside the course's package
+    and numba), or "" when there is none."""
+    skip = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(numba_cuda.__file__))
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not f.filename.startswith(skip) and "numba" not in f.filename]
+    if not frames:
+        return ""
+    return f"at line {frames[-1].lineno}" + (f": {frames[-1].line}" if frames[-1].line else " of make_kernel's cell")
+
+
 def _traced(factory: Callable, Q, K, V, bq: int, bk: int, record: dict):
     """Build the student's kernel with ``factory(bq, bk, D, DV)`` and launch it on (Q, K, V) inside a shared-memory
     trace; ``record`` receives what the trace saw (races, tile shapes and dtypes, barriers)."""
@@ -282,11 +337,13 @@ def _traced(factory: Callable, Q, K, V, bq: int, bk: int, record: dict):
                                  f"DV={V.shape[2]}): check that index against {name}'s shape") from None
             if K.shape[1] % bk:
                 record["overrun"] = True
-                raise IndexError(f"read past the end of K or V on the last ragged tile (m={K.shape[1]}, "
-                                 f"BLOCK_K={bk}): only rows k0 + j < m exist; guard the load ({e})") from None
+                overrun = IndexError(f"read past the end of K or V on the last ragged tile (m={K.shape[1]}, "
+                                     f"BLOCK_K={bk}): only rows k0 + j < m exist; guard the load ({e})")
+                overrun.where = _kernel_line(e)  # the learner's line, not this one
+                raise overrun from None
             raise
         finally:
-            record.update(races=[{"text": str(r), "missing": r.missing} for r in trace.races],
+            record.update(races=[{"text": str(r), "missing": r.missing, "certain": r.certain} for r in trace.races],
                           shapes=dict(trace.shapes), dtypes=dict(trace.dtypes),
                           barriers=trace.barriers, ragged=K.shape[1] % bk != 0)
 
@@ -439,8 +496,10 @@ KNOWN_MISTAKES = KnownMistakes(
     demos={"LAUNCH_MUTANTS": _launch_demo, "q1": _kernel_demo},
     hand_written={
         ("q1", "missing barrier"): [
-            HandWritten("no cuda.syncthreads() after loading a tile", _kernel((_TILE_LOADED, "pass"))),
-            HandWritten("no cuda.syncthreads() after using a tile", _kernel((_TILE_USED, "pass"))),
+            HandWritten("no cuda.syncthreads() after loading a tile", _kernel((_TILE_LOADED, "pass")),
+                        expect="missing barrier after loading"),
+            HandWritten("no cuda.syncthreads() after using a tile", _kernel((_TILE_USED, "pass")),
+                        expect="missing barrier after using"),
         ],
         ("q1", "reading past the last ragged tile"): [
             HandWritten("the update walks all BLOCK_K rows of the last tile",
@@ -465,6 +524,24 @@ KNOWN_MISTAKES = KnownMistakes(
         ],
         ("q1", "the max is updated before alpha"): [
             HandWritten("m_i = m_new before alpha", _kernel(("alpha = math.exp(m_i - m_new)", _MAX_FIRST))),
+        ],
+        ("q1", "alpha multiplies the new term"): [
+            HandWritten("l_i + alpha * p, acc + alpha * p * v",
+                        _kernel(("l_i = l_i * alpha + p", "l_i = l_i + alpha * p"),
+                                ("acc[c] * alpha + p * v_tile[j, c]", "acc[c] + alpha * p * v_tile[j, c]"))),
+        ],
+        ("q1", "the tile loop steps by BLOCK_Q"): [
+            HandWritten("range(0, m, BLOCK_Q)", _kernel(("range(0, m, BLOCK_K)", "range(0, m, BLOCK_Q)"))),
+        ],
+        ("q1", "one key of every tile is skipped"): [
+            HandWritten("j from 1", _kernel(("range(min(BLOCK_K, m - k0))", "range(1, min(BLOCK_K, m - k0))"))),
+            HandWritten("j to the tile's end - 1",
+                        _kernel(("range(min(BLOCK_K, m - k0))", "range(min(BLOCK_K, m - k0) - 1)"))),
+        ],
+        ("q1", "the tile load forgets the tile's offset"): [
+            HandWritten("K[b, j, c]", _kernel(("K[b, k0 + j, c] if", "K[b, j, c] if"))),
+            HandWritten("K and V at j", _kernel(("K[b, k0 + j, c] if", "K[b, j, c] if"),
+                                                ("V[b, k0 + j, c] if", "V[b, j, c] if"))),
         ],
         ("q1", "shared tiles in a lower precision"): [
             HandWritten("float32 shared tiles", _kernel(("shared.array((BLOCK_K, D), float64)",

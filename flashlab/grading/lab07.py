@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import fragments
 from ..fragments import shfl_xor
-from .core import Case, Lab, Mutant, NotImplementedYet, Trial, allclose, as_outputs, fmt, mistake_title
+from .core import Case, Lab, Mutant, NotImplementedYet, Trial, allclose, as_outputs, fmt, mistake_title, parameter_names
 from .known import Demo, KnownMistakes
 
 LAB = Lab("lab07", "The tensor cores, practised")
@@ -175,7 +175,7 @@ def _product_hint(pos: dict[str, np.ndarray | str], t: Trial) -> str:
 @LAB.question("q1", points=4, objects=("a_positions", "b_positions", "c_positions"))
 def q1(t: Trial, a_positions, b_positions, c_positions) -> None:
     """a_positions, b_positions, c_positions give, per lane, the elements of A, B, C it holds, in register order."""
-    lanes = [int(x) for x in t.rng.permutation(32)]
+    lanes = list(range(32))  # every lane, in order: the smallest failing input shown is the first failing lane
     maps = {"A": (a_positions, fragments.a_positions, A_POSITIONS_MUTANTS),
             "B": (b_positions, fragments.b_positions, B_POSITIONS_MUTANTS),
             "C": (c_positions, fragments.c_positions, C_POSITIONS_MUTANTS)}
@@ -239,15 +239,45 @@ def _softmax_switch(**flags):
     return softmax_tile
 
 
+# Every set of shfl_xor offsets a learner may reduce with; a quad needs exactly {1, 2} (in either order).
+_OFFSET_SETS = [tuple(o for i, o in enumerate((1, 2, 4, 8, 16)) if bits >> i & 1) for bits in range(32)]
+_WRONG_SETS = [o for o in _OFFSET_SETS if set(o) != {1, 2}]
+_WHOLE_WARP, _HALF_QUAD = (16, 8, 4, 2, 1), (1,)
+
+
+def _lanes_explain(max_sets, sum_sets):
+    """``explains`` for reductions over the wrong lanes: the student's outputs are those of some pair (offsets of
+    the max, offsets of the sum) from ``max_sets`` x ``sum_sets`` (``None`` in ``sum_sets``: the same as the max's)
+    on this input."""
+    def explains(case, got, expected):
+        for mo in max_sets:
+            for so in sum_sets:
+                variant = _softmax_variant(*case.args, offsets=mo, sum_offsets=mo if so is None else so)
+                if allclose(got, variant):
+                    return True
+        return False
+
+    return explains
+
+
 SOFTMAX_MUTANTS = [
-    Mutant("the row max and sum are reduced over the wrong lanes (shfl_xor with 4 and 8): those lanes hold other "
-           "rows. The 4 lanes of a quad (same g = lane // 4) hold one row's values: reduce with offsets 1 and 2.",
-           fn=_softmax_switch(offsets=(4, 8))),
+    Mutant("the row max and sum are reduced over the wrong lanes (such as offsets 4 and 8): those lanes hold "
+           "other rows. The 4 lanes of a quad (same g = lane // 4) hold one row's values: reduce with offsets 1 and "
+           "2.", fn=_softmax_switch(offsets=(4, 8)),
+           explains=_lanes_explain([o for o in _WRONG_SETS if set(o) not in ({1}, set(_WHOLE_WARP), set())],
+                                   [None])),
+    Mutant("the row max is reduced over the wrong lanes (the sum is right): the 4 lanes of a quad (same g = lane "
+           "// 4) hold one row's values; reduce the max with shfl_xor offsets 1 and 2, as the sum.",
+           fn=_softmax_switch(offsets=(1, 4), sum_offsets=(1, 2)), explains=_lanes_explain(_WRONG_SETS, [(1, 2)])),
+    Mutant("the row sum is reduced over the wrong lanes (the max is right): the 4 lanes of a quad (same g = lane "
+           "// 4) hold one row's values; add the sums with shfl_xor offsets 1 and 2, as for the max.",
+           fn=_softmax_switch(sum_offsets=(1, 4)),
+           explains=_lanes_explain([(1, 2)], [o for o in _WRONG_SETS if o])),
     Mutant("the row max and sum are reduced over the whole warp (offsets 16, 8, 4, 2, 1): that mixes the 16 rows "
            "together. Only the 4 lanes of a quad share a row: offsets 1 and 2.",
-           fn=_softmax_switch(offsets=(16, 8, 4, 2, 1))),
+           fn=_softmax_switch(offsets=_WHOLE_WARP)),
     Mutant("only half a quad is reduced (one shuffle, offset 1): lanes t = 0, 1 and t = 2, 3 then disagree about "
-           "the row. A quad has 4 lanes: shfl_xor with 1, then with 2.", fn=_softmax_switch(offsets=(1,))),
+           "the row. A quad has 4 lanes: shfl_xor with 1, then with 2.", fn=_softmax_switch(offsets=_HALF_QUAD)),
     Mutant("the row sum is not reduced across the quad: each lane's l counts only its own columns. Add the sums "
            "of the quad with shfl_xor (offsets 1 and 2), as for the max.", fn=_softmax_switch(sum_offsets=())),
     Mutant("O is not rescaled when the row max grows: the accumulators were summed against the old max; multiply "
@@ -357,7 +387,7 @@ def q2(t: Trial, softmax_tile) -> None:
             return out
 
         if not t.compare(label, points, student=recorded, cases=cases, reference=ref, mutants=SOFTMAX_MUTANTS,
-                         names=_SOFTMAX_NAMES):
+                         names=_SOFTMAX_NAMES, arg_names=parameter_names(softmax_tile) or ("s", "m", "l", "o")):
             _add_feedback(t, lambda returned=returned: _lane_differences(returned))
 
 
@@ -547,7 +577,7 @@ def _ldmatrix_hint(t: Trial, student) -> str:
 @LAB.question("q4", points=2, objects=("ldmatrix_rows",))
 def q4(t: Trial, ldmatrix_rows) -> None:
     """ldmatrix_rows(lane) gives the (row, chunk) of the 16×16 A tile that each lane points ldmatrix.x4 at."""
-    lanes = [int(x) for x in t.rng.permutation(32)]
+    lanes = list(range(32))  # every lane, in order: the smallest failing input shown is the first failing lane
     t.compare("the (row, chunk) every lane supplies", 1, student=ldmatrix_rows,
               cases=[Case((lane,), f"lane {lane}") for lane in lanes],
               reference=lambda c: _positions_run(_ldmatrix_a_rows, c), run=_positions_run, mutants=LDMATRIX_MUTANTS,

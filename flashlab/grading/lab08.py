@@ -254,6 +254,14 @@ def _split_floor_length(q, k, v, num_splits):
                             lambda p, vs, mx: (p @ vs / p.sum(axis=1, keepdims=True), mx + np.log(p.sum(axis=1))))
 
 
+def _split_floor_dropped(q, k, v, num_splits):
+    m = k.shape[0]
+    step = m // num_splits  # 0 when m < num_splits: every split is then empty
+    ranges = [(min(s * step, m), min((s + 1) * step, m)) for s in range(num_splits)]
+    return _split_per_split(q, k, v, num_splits, ranges,
+                            lambda p, vs, mx: (p @ vs / p.sum(axis=1, keepdims=True), mx + np.log(p.sum(axis=1))))
+
+
 def _split_overlap(q, k, v, num_splits):
     m = k.shape[0]
     ranges = [(lo, min(hi + 1, m)) if hi > lo else (lo, hi) for lo, hi in _ranges(m, num_splits)]
@@ -300,6 +308,9 @@ SPLIT_MUTANTS = [
            fn=_split_lse_is_max, key=_lse_only),
     Mutant("the split length is rounded down: L = ceil(m / num_splits), as the kernel computes it (with "
            "L = m // num_splits the boundaries move and the last split takes the rest).", fn=_split_floor_length),
+    Mutant("the last keys fall in no split (the split length rounded down): with L = m // num_splits the splits "
+           "[s L, (s + 1) L) end before m; L = ceil(m / num_splits) covers every key.",
+           fn=_split_floor_dropped),
     Mutant("neighbouring splits overlap by one key: split s covers [s L, (s + 1) L), the end excluded.",
            fn=_split_overlap),
 ]

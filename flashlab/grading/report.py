@@ -359,7 +359,8 @@ def feedback_markdown(student_id: str, students: list[Student], graded_at: str) 
             seed = seed_text(row)
             lines += [f"**Score: {row['score']:g} / {row['max_score']:g} points** "
                       f"(submission `{pathlib.PurePath(row['path']).name}`)", "",
-                      stamp[:-1] + (f", with seed {seed}." if seed else "."), ""]
+                      stamp[:-1] + (f", with seed {seed} (each question's inputs come from a seed of its own, "
+                                    "derived from it: the one its replay line gives)." if seed else "."), ""]
             if row["error"]:
                 lines += ["Your notebook could not be graded completely:", "", "```text", row["error"], "```", ""]
             for q in row["questions"]:
@@ -412,6 +413,9 @@ def class_summary(book: Gradebook) -> dict:
             mistakes = collections.Counter(t for r in results for t in set(r.get("diagnoses") or ()))
             questions[name] = {
                 "max_score": q.points,
+                # lost points with no mistake named: the feedback says what is known; a teacher should read it
+                "undiagnosed": sum(1 for row in graded if not row["error"] for r in row["questions"]
+                                   if r["name"] == name and r["score"] < r["max_score"] and not r.get("diagnoses")),
                 "mean": round(sum(points) / len(points), 3) if points else None,
                 "histogram": histogram(points, q.points),
                 "mistakes": dict(mistakes.most_common()),
@@ -434,6 +438,10 @@ def class_summary(book: Gradebook) -> dict:
     return {"graded_at": book.graded_at, "labs": labs, "problems": book.problems}
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _bars(hist: list[dict]) -> list[str]:
     top = max((h["count"] for h in hist), default=0) or 1
     labels = [f"{h['from']:g}" if h["from"] == h["to"] else f"{h['from']:g}-{h['to']:g}" for h in hist]
@@ -448,7 +456,7 @@ def summary_markdown(data: dict) -> str:
     for lab_id, lab in data["labs"].items():
         mean = "-" if lab["mean_total"] is None else f"{lab['mean_total']:g}"
         lines += [f"## {lab_id} — {lab['title']}".rstrip(" —"), "",
-                  f"{lab['students']} students, {lab['graded']} graded ({lab['errors']} with errors), "
+                  f"{_count(lab['students'], 'student')}, {lab['graded']} graded ({lab['errors']} with errors), "
                   f"{lab['no_submission']} without a submission, {lab['duplicates']} with several; "
                   f"mean {mean} / {lab['max_score']:g}. Grader {lab['grader_version']}.", ""]
         if lab["unsandboxed"]:
@@ -460,9 +468,12 @@ def summary_markdown(data: dict) -> str:
             qmean = "-" if q["mean"] is None else f"{q['mean']:g}"
             lines += [f"### {name}: mean {qmean} / {q['max_score']:g}", "", "```text", *_bars(q["histogram"]),
                       "```", ""]
-            if q["mistakes"]:
+            if q["mistakes"] or q.get("undiagnosed"):
                 lines += ["Diagnosed mistakes (students):", ""]
                 lines += [f"- {count} × {title}" for title, count in q["mistakes"].items()]
+                if q.get("undiagnosed"):
+                    lines.append(f"- {q['undiagnosed']} × lost points with no mistake named (their feedback says "
+                                 "what is known)")
                 lines.append("")
     if data["problems"]:
         lines += ["## Problems", "", *[f"- {p}" for p in data["problems"]], ""]
