@@ -6,8 +6,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 DEV_STAMP := $(VENV)/.installed-dev-stamp
+PRESENT_STAMP := $(VENV)/.installed-present-stamp
 
-.PHONY: setup dev lab test test-gpu html slides release grade lint clean \
+.PHONY: setup dev lab test test-gpu html slides present release grade lint clean \
         bench-forward bench-backward bench-decode bench-memory bench-train bench-ring bench-cpu profile sanitize
 
 setup: $(STAMP)
@@ -48,6 +49,18 @@ html: dev
 
 slides: dev
 	$(BIN)/python -m flashlab slides --out build/slides
+
+$(PRESENT_STAMP): $(STAMP) requirements-instructor.txt
+	$(BIN)/python -m pip install --quiet -r requirements-instructor.txt
+	touch $(PRESENT_STAMP)
+
+# Chapter CHAPTER (default 7) as live slides in JupyterLab with RISE: its slide cells, every other cell skipped,
+# written to build/present/. There: Run > Run All Cells (on a GPU machine the GPU cells run live), save, then
+# Alt+R: the slides share the notebook's kernel. make present CHAPTER=3 LAB_ARGS="--no-browser --port 8890".
+CHAPTER ?= 7
+present: $(PRESENT_STAMP)
+	path=$$($(BIN)/python -m flashlab slides --present $(CHAPTER) --out build/present) && \
+	$(BIN)/jupyter lab $(LAB_ALLOW_ROOT) --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/$$path $(LAB_ARGS)
 
 release: setup
 	$(BIN)/python -m flashlab release

@@ -2,23 +2,33 @@
 
 Each chapter in notebooks/ runs in a fresh kernel (cwd = notebooks/, as in CI), then nbconvert
 renders it with its outputs; plots are embedded as data URIs. MathJax is copied next to the pages from the
-jupyter-server-mathjax package, so formulas render offline too. The index lists the chapters in study order and
-the labs.
+jupyter-server-mathjax package, so formulas render offline too, and the pages load nothing else from the network:
+the template drops require.js and mermaid (no chapter uses widgets or diagrams), and the Colab badge image of
+every chapter's first cell becomes a text link. The index lists the chapters in study order and the labs.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import html
 import json
 import os
 import pathlib
+import re
 import shutil
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nbformat import NotebookNode
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MATHJAX_URL = "mathjax/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full,Safe"
+TEMPLATES = pathlib.Path(__file__).resolve().parent / "templates"
+# [![Open in Colab](badge.svg)](link): an image from the network in every chapter's and lab's first cell.
+BADGE = re.compile(r"\[!\[([^\]]*)\]\(https?://[^)]*\)\]\((https?://[^)]*)\)")
 
 
 def install_mathjax(out_dir: pathlib.Path) -> str | None:
@@ -33,19 +43,32 @@ def install_mathjax(out_dir: pathlib.Path) -> str | None:
     return MATHJAX_URL
 
 
-def title_of(path: pathlib.Path) -> str:
-    """The first markdown heading of a notebook, else its file name."""
-    nb = json.loads(path.read_text(encoding="utf-8"))
+def heading_of(nb: dict) -> str | None:
+    """The first markdown heading of a notebook (a dict or notebook node), without its hashes; None if none."""
     for cell in nb.get("cells", []):
         if cell.get("cell_type") != "markdown":
             continue
         for line in "".join(cell.get("source", "")).splitlines():
             if line.startswith("#"):
                 return line.lstrip("#").strip()
-    return path.stem
+    return None
 
 
-def execute(path: pathlib.Path, *, timeout: int = 600):
+def title_of(path: pathlib.Path) -> str:
+    """The first markdown heading of a notebook, else its file name."""
+    return heading_of(json.loads(path.read_text(encoding="utf-8"))) or path.stem
+
+
+def offline_links(nb: NotebookNode) -> NotebookNode:
+    """A copy of NB whose badge images become text links (the notebook files keep their badges for Colab)."""
+    out = copy.deepcopy(nb)
+    for cell in out.cells:
+        if cell.cell_type == "markdown":
+            cell.source = BADGE.sub(lambda m: f"[{m.group(1)}]({m.group(2)})", cell.source)
+    return out
+
+
+def execute(path: pathlib.Path, *, timeout: int = 600) -> NotebookNode:
     """Run a notebook top to bottom in a fresh kernel, as CI does (cwd = its folder).
 
     The kernel must keep its own inline matplotlib backend: an inherited MPLBACKEND=Agg would make every
@@ -61,27 +84,48 @@ def execute(path: pathlib.Path, *, timeout: int = 600):
     return nb
 
 
-def executed(path: pathlib.Path, cache_dir: pathlib.Path, *, timeout: int = 600, fresh: bool = False):
-    """The executed notebook, from CACHE_DIR when a copy newer than the source is there; saved there otherwise."""
+def with_outputs(nb: NotebookNode, ran: NotebookNode) -> NotebookNode | None:
+    """NB with the outputs of RAN, an executed copy, when both hold the same code cells (ids and sources); else None.
+
+    Tags, metadata and markdown come from NB: retagging a chapter's slides or adding a markdown cell needs no new
+    run, while any change to code does.
+    """
+    code = [(c.get("id"), c.source) for c in nb.cells if c.cell_type == "code"]
+    if code != [(c.get("id"), c.source) for c in ran.cells if c.cell_type == "code"]:
+        return None
+    outputs = {c.get("id"): c for c in ran.cells if c.cell_type == "code"}
+    out = copy.deepcopy(nb)
+    for cell in out.cells:
+        if cell.cell_type == "code":
+            cell.outputs = copy.deepcopy(outputs[cell.get("id")].outputs)
+            cell.execution_count = outputs[cell.get("id")].execution_count
+    return out
+
+
+def executed(path: pathlib.Path, cache_dir: pathlib.Path, *, timeout: int = 600, fresh: bool = False) -> NotebookNode:
+    """The executed notebook: PATH with the outputs of its copy in CACHE_DIR when that copy ran the same code
+    (``with_outputs``), else run now and saved there. FRESH always runs it."""
     import nbformat
 
     cached = cache_dir / path.name
-    if not fresh and cached.exists() and cached.stat().st_mtime >= path.stat().st_mtime:
-        return nbformat.read(cached, as_version=4)
+    if not fresh and cached.exists():
+        nb = with_outputs(nbformat.read(path, as_version=4), nbformat.read(cached, as_version=4))
+        if nb is not None:
+            return nb
     nb = execute(path, timeout=timeout)
     cache_dir.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, cached)
     return nb
 
 
-def render_chapter(nb, out_path: pathlib.Path, *, mathjax_url: str | None = None) -> None:
+def render_chapter(nb: NotebookNode, out_path: pathlib.Path, *, mathjax_url: str | None = None) -> None:
     """Write one (executed) notebook as a self-contained HTML page."""
     from nbconvert import HTMLExporter
 
-    exporter = HTMLExporter(template_name="lab")
+    exporter = HTMLExporter(extra_template_basedirs=[str(TEMPLATES)], template_name="flashlab_lab")
     if mathjax_url:
         exporter.mathjax_url = mathjax_url
-    body, _ = exporter.from_notebook_node(nb)
+    body, _ = exporter.from_notebook_node(offline_links(nb))
     out_path.write_text(body, encoding="utf-8")
 
 
