@@ -90,6 +90,44 @@ def test_sparse_tiles_are_the_kernel_file_tiles():
             assert rung.block_rows == bq and rung.shared_bytes(d) == (bq + 4 * bk) * d * 2, (name, d)
 
 
+def test_benchmark_counts_pairs_and_masks_as_the_patterns_mean(rng):
+    """bench sparse: the visible pairs (its FLOP) counted from the formula equal the mask's; FlexAttention's
+    mask_mod, evaluated on index grids, is the same mask as the pattern of attention(window=, dilation=)."""
+    from flashlab.bench import sparse
+
+    for _ in range(40):
+        n, m = (int(x) for x in rng.integers(1, 90, size=2))
+        window = (rng.choice([None, int(rng.integers(0, m))]), rng.choice([None, 0, int(rng.integers(0, n))]))
+        dilation = int(rng.integers(1, 6))
+        pattern = sparse.pattern_of(window, dilation)
+        mask = pattern.mask(n, m)
+        assert sparse.visible_pairs(pattern, n, m) == int(mask.sum()), (n, m, window, dilation)
+        mod = sparse.mask_mod(window[0], window[1], dilation, offset=m - n)
+        np.testing.assert_array_equal(mod(0, 0, np.arange(n)[:, None], np.arange(m)[None, :]), mask)
+    args = sparse.parser().parse_args([])
+    assert args.n == [16384, 65536] and args.windows == [256, 512, 1024, 2048, 4096, 8192]
+    assert [label for label, _, _ in sparse.patterns(args)][-1] == "dilated 4 window 8192"
+
+
+def test_benchmark_table_takes_time_per_tile_against_dense_causal():
+    from flashlab.bench import sparse
+
+    base = {"n": 1024, "d": 128, "batch": 1, "heads": 1, "protocol": "throughput"}
+    rows = [{**base, "impl": "causal", "pattern": "causal", "density": 0.5, "median_ms": 2.0, "tflops": 1.0},
+            {**base, "impl": "flex_causal", "pattern": "causal", "density": 0.5, "median_ms": 2.5, "tflops": 1.0},
+            {**base, "impl": "sparse_window", "pattern": "window 256", "density": 0.125, "median_ms": 0.6,
+             "tflops": 1.0},
+            {**base, "impl": "flex", "pattern": "window 256", "density": 0.125, "median_ms": 0.75, "tflops": 1.0},
+            {**base, "impl": "sparse_blocks", "pattern": "window 256", "error": "out of memory"}]
+    ratios = sparse.per_tile_ratios(rows)
+    assert ratios[("sparse_window", "throughput", 1024, "window 256")] == pytest.approx((0.6 / 0.125) / (2.0 / 0.5))
+    assert ratios[("flex", "throughput", 1024, "window 256")] == pytest.approx((0.75 / 0.125) / (2.5 / 0.5))
+    table = sparse.format_rows(rows).splitlines()
+    window_row = next(line for line in table if line.startswith("sparse_window"))
+    assert window_row.split()[-2:] == ["1.20", "1.25"]  # per tile vs dense causal, speed vs flex (0.75 / 0.6)
+    assert any("out of memory" in line for line in table)
+
+
 # ----------------------------------------------------------------------------------------------------- helpers
 def _naive_masked(q, k, v, mask, scale, dt):
     """Eager attention in dtype dt with an (n, m) mask: the same-precision baseline of the 2x rule."""
