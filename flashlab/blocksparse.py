@@ -176,10 +176,12 @@ class BlockMask:
         slot = 0
         for i in np.nonzero((self.kinds == PARTIAL).any(axis=1))[0]:
             q0, q1 = i * self.block_q, min((i + 1) * self.block_q, self.n)
-            strip = self.pattern.tile(self.n, self.m, q0, q1, 0, self.m)
-            for j in np.nonzero(self.kinds[i] == PARTIAL)[0]:
+            cols = np.nonzero(self.kinds[i] == PARTIAL)[0]
+            c0, c1 = cols[0] * self.block_k, min((cols[-1] + 1) * self.block_k, self.m)  # the strip's partial span
+            strip = self.pattern.tile(self.n, self.m, q0, q1, c0, c1)
+            for j in cols:
                 k0, k1 = j * self.block_k, min((j + 1) * self.block_k, self.m)
-                out[slot, : q1 - q0, : k1 - k0] = strip[:, k0:k1]
+                out[slot, : q1 - q0, : k1 - k0] = strip[:, k0 - c0:k1 - c0]
                 slot += 1
         return out
 

@@ -649,8 +649,8 @@ def pack_fragment_bits(masks: np.ndarray) -> np.ndarray:
         raise ValueError(f"partial-tile masks must be (P, 128, 32 or 64); got {masks.shape}")
     # axes: tile, warp, mt, e2, g | nt, tg, e1  ->  tile, mt, (warp, g, tg), (e2, nt, e1)
     x = masks.reshape(p, 4, 2, 2, 8, bc // 8, 4, 2).transpose(0, 2, 1, 4, 6, 3, 5, 7).reshape(p, 2, 128, bc // 2)
-    weights = np.left_shift(np.uint64(1), np.arange(bc // 2, dtype=np.uint64))
-    return (x.astype(np.uint64) * weights).sum(axis=-1).astype(np.uint32)
+    packed = np.packbits(x, axis=-1, bitorder="little")  # bit b of the word: byte b // 8, bit b % 8
+    return packed.view("<u2" if bc == 32 else "<u4")[..., 0].astype(np.uint32)
 
 
 _LAYOUTS: dict[tuple[int, int], SparseLayout] = {}  # (id of a BlockMask, device) -> its layout, while it lives
