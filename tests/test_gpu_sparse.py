@@ -264,6 +264,23 @@ def test_a_prepared_layout_serves_every_batch_and_head(rng):
 
 
 @pytest.mark.gpu
+def test_a_block_mask_is_laid_out_once_per_mask(rng, monkeypatch):
+    import cupy as cp
+
+    built = []
+    real = fgpu.sparse_layout
+    monkeypatch.setattr(fgpu, "sparse_layout", lambda bm: built.append(bm) or real(bm))
+    q, k, v = (cp.asarray(x.astype(np.float16)) for x in _inputs(rng, "f16", 1, 1, 1, 70, 90, 64))
+    first = blocksparse.sliding_window(20, 0).block_mask(70, 90, *fgpu.sparse_block(64))
+    o1 = fgpu.attention(q, k, v, block_mask=first)[0].get()
+    o2 = fgpu.attention(q, k, v, block_mask=first)[0].get()
+    assert len(built) == 1 and (o1 == o2).all()
+    other = blocksparse.sliding_window(5, 0).block_mask(70, 90, *fgpu.sparse_block(64))  # same shape, other mask
+    o3 = fgpu.attention(q, k, v, block_mask=other)[0].get()
+    assert len(built) == 2 and not (o3 == o1).all()
+
+
+@pytest.mark.gpu
 def test_empty_tiles_are_never_read(rng):
     """Keys that no query's window reaches hold NaN: a kernel that loaded and computed their tiles would spread it
     (NaN times a zero probability is NaN). A block mask's empty tiles likewise."""

@@ -39,6 +39,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -653,7 +654,8 @@ def pack_fragment_bits(masks: np.ndarray) -> np.ndarray:
     return packed.view("<u2" if bc == 32 else "<u4")[..., 0].astype(np.uint32)
 
 
-_LAYOUTS: dict[tuple[int, int], SparseLayout] = {}  # (id of a BlockMask, device) -> its layout, while it lives
+# BlockMask -> {device: its layout}: kept while the mask lives (a mask is immutable: its layout cannot go stale)
+_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def sparse_layout(block_mask) -> SparseLayout:
@@ -686,17 +688,16 @@ def sparse_layout(block_mask) -> SparseLayout:
 
 
 def _layout_for(block_mask, n: int, m: int, d: int) -> SparseLayout:
-    """``block_mask`` (a BlockMask or a SparseLayout) checked against the call and made a layout (cached per mask
-    object while it lives)."""
+    """``block_mask`` (a BlockMask or a SparseLayout) checked against the call and made a layout (kept with the mask
+    object while it lives, so that a loop of calls with one mask builds it once)."""
     from .. import blocksparse
 
     if isinstance(block_mask, blocksparse.BlockMask):
-        key = (id(block_mask), _device_id(_cupy()))
-        layout = _LAYOUTS.get(key)
-        if layout is None or layout.n != block_mask.n:
-            layout = sparse_layout(block_mask)
-            _LAYOUTS.clear()  # one mask at a time: ids are reused once an object dies
-            _LAYOUTS[key] = layout
+        per_device = _LAYOUTS.setdefault(block_mask, {})
+        dev = _device_id(_cupy())
+        layout = per_device.get(dev)
+        if layout is None:
+            layout = per_device[dev] = sparse_layout(block_mask)
     elif isinstance(block_mask, SparseLayout):
         layout = block_mask
     else:
