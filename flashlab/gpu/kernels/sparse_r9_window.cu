@@ -155,6 +155,25 @@ __device__ __forceinline__ bool window_tile_empty(int t, int BCk, int q0, int ql
     return floor_div(last, stride) * stride < first;
 }
 
+// Window mode's element mask of one 16-row tile: this thread's element (e2, nt, e1) is key c0 + 8 nt + e1 at delta
+// d0 - 8 e2 + 8 nt + e1; it is seen when the key exists, the delta lies in [-left, right] and the stride divides it
+// (POW2: stride a power of two, tested with an AND instead of an integer division per element).
+template <bool POW2, int BC>
+__device__ __forceinline__ void mask_window(float (&s)[BC / 8][4], int c0, int d0, int m, int left, int right,
+                                            int stride) {
+#pragma unroll
+    for (int e2 = 0; e2 < 2; ++e2)
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; ++nt)
+#pragma unroll
+            for (int e1 = 0; e1 < 2; ++e1) {
+                const int delta = d0 - e2 * 8 + nt * 8 + e1;
+                const bool on_stride = POW2 ? (delta & (stride - 1)) == 0 : delta % stride == 0;
+                if (!(c0 + nt * 8 + e1 < m && delta >= -left && delta <= right && on_stride))
+                    s[nt][e2 * 2 + e1] = NEG_INF;
+            }
+}
+
 template <class Ty, int D, int BC, bool LIST>
 __device__ void attn_sparse(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                             u16* __restrict__ o, float* __restrict__ lse, int n, int m, int H, int Hk, float scale,
@@ -297,19 +316,11 @@ __device__ void attn_sparse(const u16* __restrict__ q, const u16* __restrict__ k
                         for (int e = 0; e < 4; ++e)
                             if (!((w >> ((e >> 1) * (BC / 4) + nt * 2 + (e & 1))) & 1u)) s[mt][nt][e] = NEG_INF;
                 } else {
-#pragma unroll
-                    for (int e2 = 0; e2 < 2; ++e2) {
-                        const int d0 = k0 + tg * 2 - (q0 + wrow + mt * 16 + e2 * 8 + g + off);  // delta, first column
-#pragma unroll
-                        for (int nt = 0; nt < BC / 8; ++nt)
-#pragma unroll
-                            for (int e1 = 0; e1 < 2; ++e1) {
-                                const int delta = d0 + nt * 8 + e1;
-                                const bool seen = k0 + nt * 8 + tg * 2 + e1 < m && delta >= -left &&
-                                                  delta <= right && delta % stride == 0;
-                                if (!seen) s[mt][nt][e2 * 2 + e1] = NEG_INF;
-                            }
-                    }
+                    const int c0 = k0 + tg * 2, d0 = c0 - (q0 + wrow + mt * 16 + g + off);  // first column, delta
+                    if ((stride & (stride - 1)) == 0)  // uniform: a power of two (1 included) tests with an AND
+                        mask_window<true, BC>(s[mt], c0, d0, m, left, right, stride);
+                    else
+                        mask_window<false, BC>(s[mt], c0, d0, m, left, right, stride);
                 }
             } else if (!LIST && ragged) {  // (list mode: the launcher makes a ragged tile PARTIAL)
 #pragma unroll
