@@ -67,15 +67,18 @@ def test_plan_names_the_sparse_kernel_or_says_why_not():
             fgpu.plan_for("forward", h200, dtype="f32", d=64, sparse=sparse)
         with pytest.raises(ValueError, match="scale > 0"):
             fgpu.plan_for("forward", h200, d=64, sparse=sparse, positive_scale=False)
-    # The window kernel keeps 64-key tiles at d = 128, which spill on sm_80-89: refused there, by name.
-    with pytest.raises(ValueError, match="spills registers at d = 128 on sm_80"):
-        fgpu.plan_for("forward", a100, d=128, sparse="window")
+    # The window kernel keeps 64-key tiles at d = 128, which spill on sm_80-89: its 32-key variant runs there.
+    plan = fgpu.plan_for("forward", a100, d=128, sparse="window")
+    assert plan.kernel == "sparse_window_c32" and "spills registers at d = 128 on sm_80" in plan.reason
+    with pytest.raises(ValueError, match="'best' would choose 'sparse_window_c32'"):
+        fgpu.plan_for("forward", a100, d=128, sparse="window", kernel="sparse_window")
+    assert fgpu.plan_for("forward", a100, d=64, sparse="window").kernel == "sparse_window"
     assert fgpu.plan_for("forward", a100, d=128, sparse="blocks").kernel == "sparse_blocks"
-    assert fgpu.cannot_run("forward", a100, d=64, sparse="window") is None
     with pytest.raises(ValueError, match="'window' or 'blocks'"):
         fgpu.plan_for("forward", h200, sparse="diagonal")
     with pytest.raises(ValueError, match="sparse_window"):
         fgpu.plan_for("forward", h200, sparse="window", kernel="addressing")
+    assert fgpu.plan_for("forward", h200, sparse="window", kernel="sparse_window_c32").kernel == "sparse_window_c32"
 
 
 def test_sparse_tiles_are_the_kernel_file_tiles():
@@ -84,6 +87,9 @@ def test_sparse_tiles_are_the_kernel_file_tiles():
     define = {name: int(value) for name, value in re.findall(r"#define (BC_D64|BC_D128|BC_LIST_D128) (\d+)", src)}
     assert fgpu.SPARSE_TILES["sparse_window"] == {64: (128, define["BC_D64"]), 128: (128, define["BC_D128"])}
     assert fgpu.SPARSE_TILES["sparse_blocks"] == {64: (128, define["BC_D64"]), 128: (128, define["BC_LIST_D128"])}
+    c32 = fgpu.SPARSE_KERNELS["sparse_window_c32"]
+    assert c32.defines == ("-DBC_D128=32",) and fgpu.SPARSE_TILES[c32.name] == {64: (128, define["BC_D64"]),
+                                                                               128: (128, 32)}
     for name, rung in fgpu.SPARSE_KERNELS.items():
         for d in fgpu.HEAD_DIMS:
             bq, bk = fgpu.SPARSE_TILES[name][d]
@@ -207,6 +213,14 @@ def test_sliding_windows_on_ragged_shapes(rng, dt):
         left = [0, min(int(rng.integers(1, 40)), m - 1), m - 1, None][trial % 4]
         right = [0, None, int(rng.integers(0, n)), 0][trial % 4]
         _check(rng, dt, (1, H, Hk, n, m, d), blocksparse.sliding_window(left, right), window=(left, right))
+
+
+@pytest.mark.gpu
+def test_the_32_key_window_variant(rng):
+    """sparse_window_c32 (what the plan takes at d = 128 where 64-key tiles spill), asked for by name."""
+    for dt, (n, m, left, right, r) in zip(HALF, ((200, 170, 45, 3, 1), (130, 300, None, 0, 4)), strict=True):
+        _check(rng, dt, (1, 2, 1, n, m, 128), blocksparse.dilated(r, left=left, right=right), window=(left, right),
+               dilation=r, kernel="sparse_window_c32")
 
 
 @pytest.mark.gpu

@@ -30,7 +30,8 @@ HALF = ("f16", "bf16")
 
 def _jobs() -> list[tuple[str, tuple[str, ...], int]]:
     """(file, defines, arch) of every compilation: each kernel file for every architecture it claims."""
-    forward = [*fgpu.RUNGS.values(), *fgpu.PLANNED_VARIANTS.values(), fgpu.SPARSE_KERNELS["sparse_window"]]
+    sparse = {(r.file, r.defines): r for r in fgpu.SPARSE_KERNELS.values()}  # one compilation per file and defines
+    forward = [*fgpu.RUNGS.values(), *fgpu.PLANNED_VARIANTS.values(), *sparse.values()]
     jobs = [(r.file, r.defines, a) for r in forward for a in ARCHS if a >= r.min_cc]
     return jobs + [(f, (), a) for f in CH8_FILES for a in ARCHS if a >= CH8_MIN_CC]
 
@@ -83,7 +84,7 @@ def test_sparse_kernels_are_compiled_and_spill_exactly_as_recorded(usage):
     flashlab.gpu.SPARSE_SPILLS (which the plan reads), no more, no fewer."""
     found: dict[tuple[str, int], set[int]] = {}
     for name, rung in fgpu.SPARSE_KERNELS.items():
-        stem = {"sparse_window": "attn_window", "sparse_blocks": "attn_blocks"}[name]
+        stem = "attn_blocks" if name == "sparse_blocks" else "attn_window"
         claimed = {a for (f, dfn, a) in usage if f == rung.file and dfn == rung.defines}
         assert claimed == {a for a in ARCHS if a >= rung.min_cc}, name
         for arch in claimed:
@@ -120,10 +121,12 @@ def test_no_kernel_spills_where_the_plan_chooses_it(usage):
                 for positive_scale in (True, False):
                     rung = fgpu._forward_plan(dt, d, positive_scale, "best", lim).spec
                     chosen.append((rung.file, rung.defines, f"attn_fwd_{dt}_d{d}"))
-                    for sparse in ("window", "blocks"):  # the block-sparse kernels, where the plan runs them
+                    for sparse in fgpu.SPARSE_MODES:  # the block-sparse kernels, where the plan runs them
                         if dt != "f32" and fgpu.cannot_run("forward", lim, dtype=dt, d=d, sparse=sparse,
                                                            positive_scale=positive_scale) is None:
-                            chosen.append((fgpu.SPARSE_FILE, (), f"attn_{sparse}_{dt}_d{d}"))
+                            spec = fgpu.plan_for("forward", lim, dtype=dt, d=d, sparse=sparse,
+                                                 positive_scale=positive_scale).spec
+                            chosen.append((spec.file, spec.defines, f"attn_{sparse}_{dt}_d{d}"))
         if lim.cc >= CH8_MIN_CC:
             for d in fgpu.HEAD_DIMS:
                 mk = backward._backward_plan(d, "best", lim).spec

@@ -551,11 +551,20 @@ SPARSE_KERNELS: dict[str, Rung] = {
     "sparse_blocks": Rung("sparse_blocks", SPARSE_FILE, 128, 128, ("f16", "bf16"), 80,
                           ((128 + 4 * 64) * 2, (128 + 4 * 32) * 2),
                           "rung 9 over a list of computed tiles per query block; partial tiles masked by their bits"),
+    # The window kernel with 32-key tiles at d = 128 (231 registers on sm_80, no spill): where the other spills.
+    "sparse_window_c32": Rung("sparse_window_c32", SPARSE_FILE, 128, 128, ("f16", "bf16"), 80,
+                              ((128 + 4 * 64) * 2, (128 + 4 * 32) * 2),
+                              "the window kernel with 32-key tiles at d = 128, for the GPUs where 64 spill",
+                              defines=("-DBC_D128=32",)),
 }
+# What each kind of call may run, fastest first (the plan takes the first this device runs without spilling).
+SPARSE_MODES = {"window": ("sparse_window", "sparse_window_c32"), "blocks": ("sparse_blocks",)}
 # Tile (queries x keys) of each kernel per head dimension; a block mask for sparse_blocks is built with these.
-SPARSE_TILES = {"sparse_window": {64: (128, 64), 128: (128, 64)}, "sparse_blocks": {64: (128, 64), 128: (128, 32)}}
+SPARSE_TILES = {"sparse_window": {64: (128, 64), 128: (128, 64)}, "sparse_blocks": {64: (128, 64), 128: (128, 32)},
+                "sparse_window_c32": {64: (128, 64), 128: (128, 32)}}
 # (kernel, d) -> the architectures where its functions spill (nvcc 13, --resource-usage), as SPILLS for the rungs:
-# the window kernel at d = 128 keeps rung 9's 64-key tiles, which need a few more registers than sm_80-89 give.
+# the window kernel at d = 128 keeps rung 9's 64-key tiles, which need a few more registers than sm_80-89 give
+# (the plan takes sparse_window_c32 there).
 SPARSE_SPILLS = {("sparse_window", 128): (80, 86, 89)}
 
 
@@ -584,16 +593,16 @@ def sparse_problem(name: str, dt: str, d: int, positive_scale: bool, lim: Device
 
 
 @functools.lru_cache(maxsize=64)
-def _sparse_plan(name: str, dt: str, d: int, positive_scale: bool, kernel: str | Rung, lim: DeviceLimits) -> Plan:
-    """The block-sparse call's plan: kernel ``name`` or a clear refusal (cached like ``_forward_plan``)."""
-    if kernel != "best" and kernel != name:
-        raise ValueError(f"a {'window' if name == 'sparse_window' else 'block_mask'} call runs the block-sparse "
-                         f"kernel {name!r}; got kernel={kernel!r} (give kernel='best' or {name!r})")
-    reason = sparse_problem(name, dt, d, positive_scale, lim)
-    if reason is not None:
-        raise ValueError(f"no forward kernel runs this block-sparse call on this GPU ({lim}): {name!r} {reason}")
-    rung = SPARSE_KERNELS[name]
-    return Plan("forward", name, rung.file, rung.shared_bytes(d), rung.threads, lim, (), rung)
+def _sparse_plan(mode: str, dt: str, d: int, positive_scale: bool, kernel: str | Rung, lim: DeviceLimits) -> Plan:
+    """The plan of a block-sparse call (``mode`` "window" or "blocks"): the first kernel of ``SPARSE_MODES[mode]``
+    this device runs, or a clear refusal naming each limit (cached like ``_forward_plan``)."""
+    names = SPARSE_MODES[mode]
+    if kernel != "best" and kernel not in names:
+        raise ValueError(f"a {'window' if mode == 'window' else 'block_mask'} call runs a block-sparse kernel, one of "
+                         f"{names}; got kernel={kernel!r} (give kernel='best' or one of those)")
+    name, rung, passed = choose("forward", {n: SPARSE_KERNELS[n] for n in names},
+                                lambda n, _, best: sparse_problem(n, dt, d, positive_scale, lim), kernel, lim)
+    return Plan("forward", name, rung.file, rung.shared_bytes(d), rung.threads, lim, passed, rung)
 
 
 def _check_window(window, dilation, causal: bool, n: int, m: int) -> tuple[int, int, int]:
@@ -733,11 +742,11 @@ def _sparse_attention(q, k, v, o, lse, dt: str, d: int, scale: float, causal: bo
         if dilation != 1:
             raise ValueError("dilation= goes with window=; for a block mask put the dilation in the pattern "
                              "(blocksparse.dilated)")
-        name = "sparse_blocks"
+        mode = "blocks"
     else:
-        name = "sparse_window"
-    rung = _sparse_plan(name, dt, d, scale > 0, kernel, device_limits()).spec
-    if name == "sparse_window":
+        mode = "window"
+    rung = _sparse_plan(mode, dt, d, scale > 0, kernel, device_limits()).spec
+    if mode == "window":
         left, right, stride = _check_window(window, dilation, causal, n, m)
         dev = _device_id(cp)
         lists = _NO_LIST.get(dev)
@@ -751,7 +760,7 @@ def _sparse_attention(q, k, v, o, lse, dt: str, d: int, scale: float, causal: bo
         left = right = stride = 0
         lists, reverse = (layout.row_ptr, layout.tiles, layout.slots, layout.bits), layout.reverse
         fn = f"attn_blocks_{dt}_d{d}"
-    kern = kernel_function(rung.file, fn, shared_bytes=rung.shared_bytes(d))
+    kern = kernel_function(rung.file, fn, defines=rung.defines, shared_bytes=rung.shared_bytes(d))
     args = (q, k, v, o, lse, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk), np.float32(scale), np.int32(left),
             np.int32(right), np.int32(stride), np.int32(reverse), *lists)
     kern((math.ceil(n / rung.block_rows), H, B), (rung.threads,), args, shared_mem=rung.shared_bytes(d))
@@ -766,16 +775,16 @@ def plan(q, k, v, *, causal: bool = False, scale: float | None = None, kernel: s
     block may use (``MaxSharedMemoryPerBlockOptin``) and its registers decide (``device_limits``); a named
     kernel that cannot run raises ValueError naming the limit. ``print(plan(q, k, v))`` says what was chosen and
     why each faster rung was passed over. The backward and decoding have ``plan_backward`` and ``plan_decode``.
-    A block-sparse call (``window=`` or ``block_mask=``) has one kernel, ``sparse_window`` or ``sparse_blocks``;
-    where this GPU cannot run it, ValueError says why.
+    A block-sparse call (``window=`` or ``block_mask=``) runs a kernel of ``SPARSE_MODES``: ``sparse_window`` (or
+    ``sparse_window_c32`` where it spills) or ``sparse_blocks``; where this GPU runs none, ValueError says why.
     """
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be True or False; got {causal!r}")
     dt = _check_inputs(q, k, v, bf16)
     d = q.shape[-1]
     if window is not None or block_mask is not None:
-        name = "sparse_blocks" if block_mask is not None else "sparse_window"
-        return _sparse_plan(name, dt, d, check_scale(scale, d) > 0, kernel, device_limits())
+        mode = "blocks" if block_mask is not None else "window"
+        return _sparse_plan(mode, dt, d, check_scale(scale, d) > 0, kernel, device_limits())
     return _forward_plan(dt, d, check_scale(scale, d) > 0, kernel, device_limits())
 
 
@@ -791,7 +800,7 @@ def plan_for(op: str, device: DeviceLimits | None = None, *, dtype: str = "f16",
     if sparse is not None:
         if op != "forward" or sparse not in ("window", "blocks"):
             raise ValueError(f"sparse= is 'window' or 'blocks', for op='forward'; got op={op!r}, sparse={sparse!r}")
-        return _sparse_plan(f"sparse_{sparse}", dtype, d, positive_scale, kernel, lim)
+        return _sparse_plan(sparse, dtype, d, positive_scale, kernel, lim)
     if op == "forward":
         return _forward_plan(dtype, d, positive_scale, kernel, lim)
     if dtype == "f32":
