@@ -347,6 +347,31 @@ def test_bad_sparse_inputs_get_clear_errors():
     assert fgpu.plan(x, x, x, block_mask=bm).kernel == "sparse_blocks"
 
 
+def test_the_recorded_benchmark_holds_together():
+    """data/benchmarks/sparse.json (``python -m flashlab bench sparse`` on an H200): every timed row's density and
+    visible pairs are its pattern's (recomputed here), its TFLOP/s is 4 d pairs / time, it has >= 20 runs, every
+    (implementation, n, pattern) was timed under both protocols, and every output agreed with the window kernel's
+    (or, for dense causal, with the course's rung) before it was timed."""
+    from flashlab import records
+    from flashlab.bench import sparse
+
+    rec = records.read_record("benchmarks/sparse")
+    rows = [r for r in rec["rows"] if "error" not in r]
+    assert rec["provenance"]["kernel_sha256_sparse"] and rows
+    protocols: dict[tuple, set] = {}
+    for r in rows:
+        pattern = sparse.pattern_of(tuple(r["window"]), r["dilation"])
+        assert r["density"] == pattern.block_mask(r["n"], r["n"], *sparse.TILE).density, r
+        assert r["pairs"] == sparse.visible_pairs(pattern, r["n"], r["n"]), r
+        flop = 4 * r["d"] * r["pairs"] * r["batch"] * r["heads"]
+        assert r["tflops"] == pytest.approx(flop / (r["median_ms"] * 1e-3) / 1e12, rel=1e-3, abs=2e-3), r
+        assert r["repeat"] >= records.MIN_REPEAT
+        assert r["max_abs_diff"] <= 2e-3, r  # fp16 outputs of two summation orders: a few units of 2^-11
+        protocols.setdefault((r["impl"], r["n"], r["pattern"]), set()).add(r["protocol"])
+    assert all(p == set(records.PROTOCOLS) for p in protocols.values()), protocols
+    assert {n for _, n, _ in protocols} == {16384, 65536}
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the host emulation of the kernels needs g++")
 def test_the_gpu_tests_above_pass_under_the_host_emulation():
     """The kernel itself, compiled for the CPU by tools/hostemu (real index arithmetic, barriers, shuffles and
