@@ -155,6 +155,36 @@ class BlockMask:
         """Fraction of the tiles that are computed."""
         return float(np.count_nonzero(self.computed)) / self.kinds.size
 
+    def tile_list(self) -> tuple[np.ndarray, np.ndarray]:
+        """The computed tiles as a kernel reads them: ``(row_ptr, cols)``, one list per query tile (compressed
+        sparse rows, as FlashAttention's block-sparse kernel and FlexAttention's ``kv_indices`` keep them).
+
+        Query tile i computes key tiles ``cols[row_ptr[i]:row_ptr[i + 1]]``, in increasing order; the empty tiles
+        appear nowhere, so a kernel walking its list never even looks at them. int32 arrays of length
+        ``T_r + 1`` and (number of computed tiles).
+        """
+        computed = self.computed
+        row_ptr = np.zeros(self.shape[0] + 1, dtype=np.int32)
+        np.cumsum(np.count_nonzero(computed, axis=1), out=row_ptr[1:])
+        return row_ptr, np.nonzero(computed)[1].astype(np.int32)
+
+    def partial_masks(self) -> np.ndarray:
+        """The element masks of the PARTIAL tiles, in :meth:`tile_list` order: ``(P, block_q, block_k)`` booleans,
+        False beyond the last query or key (a short last tile is padded). The pattern is evaluated one strip of
+        ``block_q`` queries at a time, never as the whole ``n x m`` mask."""
+        out = np.zeros((int(np.count_nonzero(self.kinds == PARTIAL)), self.block_q, self.block_k), dtype=bool)
+        slot = 0
+        for i in np.nonzero((self.kinds == PARTIAL).any(axis=1))[0]:
+            q0, q1 = i * self.block_q, min((i + 1) * self.block_q, self.n)
+            cols = np.nonzero(self.kinds[i] == PARTIAL)[0]
+            c0, c1 = cols[0] * self.block_k, min((cols[-1] + 1) * self.block_k, self.m)  # the strip's partial span
+            strip = self.pattern.tile(self.n, self.m, q0, q1, c0, c1)
+            for j in cols:
+                k0, k1 = j * self.block_k, min((j + 1) * self.block_k, self.m)
+                out[slot, : q1 - q0, : k1 - k0] = strip[:, k0 - c0:k1 - c0]
+                slot += 1
+        return out
+
 
 @dataclass(frozen=True, eq=False)
 class Window(Pattern):

@@ -279,3 +279,29 @@ def test_plot_block_masks_draws_the_tiles_of_each_kind():
     plt.close(fig)
     with pytest.raises(ValueError, match="one axes per pattern"):
         viz.plot_block_masks(patterns, 8, 8, 4, 4, axes=[None])
+
+
+def test_tile_list_and_partial_masks_are_what_a_kernel_reads(rng):
+    """The compressed form a block-sparse kernel walks: each query tile's computed key tiles in order (the empty
+    ones nowhere), and the element masks of the partial ones, padded with False past n and m."""
+    for _ in range(10):
+        n, m = (int(x) for x in rng.integers(1, 60, size=2))
+        bq, bk = int(rng.integers(1, 12)), int(rng.integers(1, 12))
+        for name, (pattern, _) in _draw_patterns(rng, n, m).items():
+            bm = pattern.block_mask(n, m, bq, bk)
+            row_ptr, cols = bm.tile_list()
+            assert row_ptr.dtype == cols.dtype == np.int32 and row_ptr[0] == 0
+            masks = bm.partial_masks()
+            assert masks.shape == (bm.counts()["partial"], bq, bk)
+            slot = 0
+            for i in range(bm.shape[0]):
+                listed = cols[row_ptr[i]:row_ptr[i + 1]]
+                np.testing.assert_array_equal(listed, np.nonzero(bm.kinds[i] != EMPTY)[0], err_msg=name)
+                for j in listed:
+                    if bm.kinds[i, j] == PARTIAL:
+                        q0, q1, k0, k1 = bm.bounds(i, j)
+                        padded = np.zeros((bq, bk), bool)
+                        padded[: q1 - q0, : k1 - k0] = pattern.mask(n, m)[q0:q1, k0:k1]
+                        np.testing.assert_array_equal(masks[slot], padded, err_msg=f"{name} tile {i}, {j}")
+                        slot += 1
+            assert slot == len(masks)

@@ -3,7 +3,8 @@
 The architectures are flashlab.gpu.COMPILED_ARCHS: sm_75 (T4), sm_80 (A100), sm_86 (A10, RTX 30x0), sm_89
 (RTX 40x0, L4) and sm_90 (H100, H200). A forward rung is compiled for those at or above its ``min_cc``; chapter
 8's kernels, which need sm_80, for sm_80 and up; so are the tile variants the plan may choose
-(``flashlab.gpu.PLANNED_VARIANTS``). The resource usage of every kernel (registers, static shared memory, spills)
+(``flashlab.gpu.PLANNED_VARIANTS``) and the block-sparse kernels (``flashlab.gpu.SPARSE_KERNELS``, spills in
+``flashlab.gpu.SPARSE_SPILLS``). The resource usage of every kernel (registers, static shared memory, spills)
 is printed (``pytest -s``). Spills must be exactly those recorded in ``flashlab.gpu.SPILLS`` (which the plan reads),
 none where the plan chooses a kernel, and none at all on sm_90. No GPU needed; the compilations run in parallel.
 """
@@ -29,7 +30,8 @@ HALF = ("f16", "bf16")
 
 def _jobs() -> list[tuple[str, tuple[str, ...], int]]:
     """(file, defines, arch) of every compilation: each kernel file for every architecture it claims."""
-    forward = [*fgpu.RUNGS.values(), *fgpu.PLANNED_VARIANTS.values()]
+    sparse = {(r.file, r.defines): r for r in fgpu.SPARSE_KERNELS.values()}  # one compilation per file and defines
+    forward = [*fgpu.RUNGS.values(), *fgpu.PLANNED_VARIANTS.values(), *sparse.values()]
     jobs = [(r.file, r.defines, a) for r in forward for a in ARCHS if a >= r.min_cc]
     return jobs + [(f, (), a) for f in CH8_FILES for a in ARCHS if a >= CH8_MIN_CC]
 
@@ -63,7 +65,7 @@ def usage() -> dict[tuple[str, tuple[str, ...], int], dict[str, dict]]:
 def test_every_kernel_file_is_a_registered_rung():
     """Every .cu file is a forward rung or a chapter-8 kernel, so every one is compiled below."""
     files = sorted(p.name for p in fgpu.KERNEL_DIR.glob("*.cu"))
-    assert files == sorted([r.file for r in fgpu.RUNGS.values()] + list(CH8_FILES))
+    assert files == sorted([r.file for r in fgpu.RUNGS.values()] + list(CH8_FILES) + [fgpu.SPARSE_FILE])
 
 
 @needs_nvcc
@@ -74,6 +76,24 @@ def test_each_kernel_is_compiled_for_every_architecture_it_claims(usage):
         for arch in claimed:  # each dtype and head dimension the launcher asks for is there
             assert {f"attn_fwd_{dt}_d{d}" for dt in rung.dtypes for d in fgpu.HEAD_DIMS} <= set(
                 usage[rung.file, rung.defines, arch]), (rung.name, arch)
+
+
+@needs_nvcc
+def test_sparse_kernels_are_compiled_and_spill_exactly_as_recorded(usage):
+    """Both block-sparse kernels (one file) for every architecture they claim, every dtype and d; their spills are
+    flashlab.gpu.SPARSE_SPILLS (which the plan reads), no more, no fewer."""
+    found: dict[tuple[str, int], set[int]] = {}
+    for name, rung in fgpu.SPARSE_KERNELS.items():
+        stem = "attn_blocks" if name == "sparse_blocks" else "attn_window"
+        claimed = {a for (f, dfn, a) in usage if f == rung.file and dfn == rung.defines}
+        assert claimed == {a for a in ARCHS if a >= rung.min_cc}, name
+        for arch in claimed:
+            kernels = usage[rung.file, rung.defines, arch]
+            for dt in rung.dtypes:
+                for d in fgpu.HEAD_DIMS:
+                    if _spilled(kernels[f"{stem}_{dt}_d{d}"]):
+                        found.setdefault((name, d), set()).add(arch)
+    assert found == {key: set(archs) for key, archs in fgpu.SPARSE_SPILLS.items()}
 
 
 @needs_nvcc
@@ -101,6 +121,12 @@ def test_no_kernel_spills_where_the_plan_chooses_it(usage):
                 for positive_scale in (True, False):
                     rung = fgpu._forward_plan(dt, d, positive_scale, "best", lim).spec
                     chosen.append((rung.file, rung.defines, f"attn_fwd_{dt}_d{d}"))
+                    for sparse in fgpu.SPARSE_MODES:  # the block-sparse kernels, where the plan runs them
+                        if dt != "f32" and fgpu.cannot_run("forward", lim, dtype=dt, d=d, sparse=sparse,
+                                                           positive_scale=positive_scale) is None:
+                            spec = fgpu.plan_for("forward", lim, dtype=dt, d=d, sparse=sparse,
+                                                 positive_scale=positive_scale).spec
+                            chosen.append((spec.file, spec.defines, f"attn_{sparse}_{dt}_d{d}"))
         if lim.cc >= CH8_MIN_CC:
             for d in fgpu.HEAD_DIMS:
                 mk = backward._backward_plan(d, "best", lim).spec

@@ -39,6 +39,8 @@ KINDS = {
              "communication, link bandwidth, longest n that fits -> data/ring/NAME.json"),
     "host": ("flashlab.bench.host", "host time per call of attention, attention_backward and decode "
              "-> data/benchmarks/host.json"),
+    "sparse": ("flashlab.bench.sparse", "block-sparse attention (sliding and dilated windows) against its density, "
+               "dense causal and FlexAttention -> data/benchmarks/sparse.json"),
 }
 CAUSAL = {"no": [False], "yes": [True], "both": [False, True]}
 PROG = "python -m flashlab bench"

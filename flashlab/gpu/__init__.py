@@ -39,6 +39,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -538,31 +539,268 @@ def _forward_plan(dt: str, d: int, positive_scale: bool, kernel: str | Rung, lim
     return Plan("forward", name, rung.file, rung.shared_bytes(d), rung.threads, lim, passed, rung)
 
 
+# ------------------------------------------------------------------------------------ block-sparse attention
+# The block-sparse forward (sparse_r9_window.cu): rung 9's loop over the computed tiles of a pattern only. One file,
+# two kernels: "sparse_window" takes a sliding window (and a dilation) as numbers, "sparse_blocks" any pattern as a
+# list of computed tiles per query block with the bits of its partial tiles. Not rungs of the ladder: they answer
+# another question (which tiles), so "best" never picks them for a dense call, nor a rung for a sparse one.
+SPARSE_FILE = "sparse_r9_window.cu"
+SPARSE_KERNELS: dict[str, Rung] = {
+    "sparse_window": Rung("sparse_window", SPARSE_FILE, 128, 128, ("f16", "bf16"), 80, (128 + 4 * 64) * 2,
+                          "rung 9 over the key tiles a sliding (dilated) window reaches, classified from its formula"),
+    "sparse_blocks": Rung("sparse_blocks", SPARSE_FILE, 128, 128, ("f16", "bf16"), 80,
+                          ((128 + 4 * 64) * 2, (128 + 4 * 32) * 2),
+                          "rung 9 over a list of computed tiles per query block; partial tiles masked by their bits"),
+    # The window kernel with 32-key tiles at d = 128 (231 registers on sm_80, no spill): where the other spills.
+    "sparse_window_c32": Rung("sparse_window_c32", SPARSE_FILE, 128, 128, ("f16", "bf16"), 80,
+                              ((128 + 4 * 64) * 2, (128 + 4 * 32) * 2),
+                              "the window kernel with 32-key tiles at d = 128, for the GPUs where 64 spill",
+                              defines=("-DBC_D128=32",)),
+}
+# What each kind of call may run, fastest first (the plan takes the first this device runs without spilling).
+SPARSE_MODES = {"window": ("sparse_window", "sparse_window_c32"), "blocks": ("sparse_blocks",)}
+# Tile (queries x keys) of each kernel per head dimension; a block mask for sparse_blocks is built with these.
+SPARSE_TILES = {"sparse_window": {64: (128, 64), 128: (128, 64)}, "sparse_blocks": {64: (128, 64), 128: (128, 32)},
+                "sparse_window_c32": {64: (128, 64), 128: (128, 32)}}
+# (kernel, d) -> the architectures where its functions spill (nvcc 13, --resource-usage), as SPILLS for the rungs:
+# the window kernel at d = 128 keeps rung 9's 64-key tiles, which need a few more registers than sm_80-89 give
+# (the plan takes sparse_window_c32 there).
+SPARSE_SPILLS = {("sparse_window", 128): (80, 86, 89)}
+
+
+def sparse_block(d: int) -> tuple[int, int]:
+    """``(block_q, block_k)``: the tiles a ``block_mask=`` for ``attention`` must be built with at head dimension
+    ``d``, e.g. ``pattern.block_mask(n, m, *flashlab.gpu.sparse_block(128))``."""
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head dimension d must be one of {HEAD_DIMS}; got {d}")
+    return SPARSE_TILES["sparse_blocks"][d]
+
+
+def sparse_problem(name: str, dt: str, d: int, positive_scale: bool, lim: DeviceLimits) -> str | None:
+    """Why the block-sparse kernel ``name`` cannot run dtype ``dt`` at head dimension ``d`` on ``lim`` (None: it
+    can). Its spills count as a reason, as for "best": no other kernel can stand in for it."""
+    rung = SPARSE_KERNELS[name]
+    if dt not in rung.dtypes:
+        return f"takes float16 or bfloat16 (it is rung 9's tensor-core loop), not {dt}"
+    problem = launch_problem(f" at d = {d}", min_cc=rung.min_cc, shared_bytes=rung.shared_bytes(d),
+                             threads=rung.threads, lim=lim)
+    if problem is None and compiled_arch(lim.cc) in SPARSE_SPILLS.get((name, d), ()):
+        problem = (f"spills registers at d = {d} on sm_{compiled_arch(lim.cc)} (more than the "
+                   f"{MAX_REGISTERS_PER_THREAD} registers a thread may hold; flashlab.gpu.SPARSE_SPILLS)")
+    if problem is None and not positive_scale:
+        problem = "needs scale > 0 (it keeps the max of unscaled scores, as rung 9)"
+    return problem
+
+
+@functools.lru_cache(maxsize=64)
+def _sparse_plan(mode: str, dt: str, d: int, positive_scale: bool, kernel: str | Rung, lim: DeviceLimits) -> Plan:
+    """The plan of a block-sparse call (``mode`` "window" or "blocks"): the first kernel of ``SPARSE_MODES[mode]``
+    this device runs, or a clear refusal naming each limit (cached like ``_forward_plan``)."""
+    names = SPARSE_MODES[mode]
+    if kernel != "best" and kernel not in names:
+        raise ValueError(f"a {'window' if mode == 'window' else 'block_mask'} call runs a block-sparse kernel, one of "
+                         f"{names}; got kernel={kernel!r} (give kernel='best' or one of those)")
+    name, rung, passed = choose("forward", {n: SPARSE_KERNELS[n] for n in names},
+                                lambda n, _, best: sparse_problem(n, dt, d, positive_scale, lim), kernel, lim)
+    return Plan("forward", name, rung.file, rung.shared_bytes(d), rung.threads, lim, passed, rung)
+
+
+def _check_window(window, dilation, causal: bool, n: int, m: int) -> tuple[int, int, int]:
+    """``window=(left, right)`` (and ``dilation``, ``causal``) as the kernel's three numbers, "no limit" as n + m;
+    a side wider than the sequence is refused (``blocksparse.Window.check``)."""
+    from .. import blocksparse
+
+    if not (isinstance(window, (tuple, list)) and len(window) == 2):
+        raise TypeError(f"window must be a pair (left, right) of token counts (None: no limit); got {window!r}")
+    if isinstance(dilation, bool) or not isinstance(dilation, (int, np.integer)) or dilation < 1:
+        raise ValueError(f"dilation must be an integer >= 1 (every dilation-th token); got {dilation!r}")
+    left, right = window
+    pattern = blocksparse.dilated(int(dilation), left=left, right=right)
+    pattern.check(n, m)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return (n + m if left is None else int(left)), (n + m if right is None else int(right)), int(dilation)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SparseLayout:
+    """A block mask on the GPU as ``sparse_blocks`` reads it (made by ``sparse_layout``; reuse it across calls).
+
+    ``row_ptr``/``tiles``: the computed key tiles of each query tile (``BlockMask.tile_list``); ``slots``: -1 for a
+    FULL tile, else the PARTIAL tile's slot in ``bits``; ``bits``: for each partial tile, each 16-row half of a
+    warp's rows and each thread, the thread's visibility bits in its mma fragment order (``pack_fragment_bits``).
+    A short last key tile is PARTIAL here even where the pattern sees all of it: its missing keys must be masked,
+    and FULL tiles are never masked."""
+
+    n: int
+    m: int
+    block_q: int
+    block_k: int
+    row_ptr: Any
+    tiles: Any
+    slots: Any
+    bits: Any
+    reverse: bool  # later query tiles compute more tiles: launch them first
+    counts: dict[str, int]  # tiles of each kind, as the kernel sees them
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the layout holds on the GPU."""
+        return sum(int(x.nbytes) for x in (self.row_ptr, self.tiles, self.slots, self.bits))
+
+
+def pack_fragment_bits(masks: np.ndarray) -> np.ndarray:
+    """Element masks of partial tiles, ``(P, 128, BC)`` booleans, as ``sparse_blocks`` reads them: uint32 words
+    ``(P, 2, 128)``, word ``(p, mt, thread)`` holding the bits of that thread's elements of 16-row tile ``mt`` of its
+    warp's 32 rows, bit ``e2 * BC / 4 + 2 nt + e1`` for row ``32 warp + 16 mt + 8 e2 + lane / 4`` and column
+    ``8 nt + 2 (lane % 4) + e1`` (the m16n8k16 accumulator layout), so that a thread needs one load per 16 rows."""
+    p, rows, bc = masks.shape
+    if rows != 128 or bc not in (32, 64):
+        raise ValueError(f"partial-tile masks must be (P, 128, 32 or 64); got {masks.shape}")
+    # axes: tile, warp, mt, e2, g | nt, tg, e1  ->  tile, mt, (warp, g, tg), (e2, nt, e1)
+    x = masks.reshape(p, 4, 2, 2, 8, bc // 8, 4, 2).transpose(0, 2, 1, 4, 6, 3, 5, 7).reshape(p, 2, 128, bc // 2)
+    packed = np.packbits(x, axis=-1, bitorder="little")  # bit b of the word: byte b // 8, bit b % 8
+    return packed.view("<u2" if bc == 32 else "<u4")[..., 0].astype(np.uint32)
+
+
+# BlockMask -> {device: its layout}: kept while the mask lives (a mask is immutable: its layout cannot go stale)
+_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def sparse_layout(block_mask) -> SparseLayout:
+    """A ``blocksparse.BlockMask`` (built with ``sparse_block(d)`` tiles) on the GPU, ready for
+    ``attention(..., block_mask=layout)``: made once, so that a loop of calls does no host work for the mask."""
+    from .. import blocksparse
+
+    cp = _cupy()
+    if not isinstance(block_mask, blocksparse.BlockMask):
+        raise TypeError(f"block_mask must be a flashlab.blocksparse.BlockMask (pattern.block_mask(n, m, "
+                        f"*flashlab.gpu.sparse_block(d))) or a SparseLayout; got {type(block_mask).__name__}")
+    bq, bk = block_mask.block_q, block_mask.block_k
+    if (bq, bk) not in set(SPARSE_TILES["sparse_blocks"].values()):
+        raise ValueError(f"the block mask has tiles of {bq} x {bk}; the block-sparse kernel reads tiles of "
+                         + " or ".join(f"{a} x {b} (d = {d})" for d, (a, b) in SPARSE_TILES["sparse_blocks"].items())
+                         + ": build it with pattern.block_mask(n, m, *flashlab.gpu.sparse_block(d))")
+    kinds = block_mask.kinds.copy()
+    if block_mask.m % bk:  # a short last key tile: its missing keys need the mask
+        kinds[:, -1] = np.where(kinds[:, -1] == blocksparse.FULL, blocksparse.PARTIAL, kinds[:, -1])
+    padded = dataclasses.replace(block_mask, kinds=kinds)
+    row_ptr, cols = padded.tile_list()
+    partial = kinds[kinds != blocksparse.EMPTY] == blocksparse.PARTIAL  # in tile_list order (row-major)
+    slots = np.where(partial, np.cumsum(partial) - 1, -1).astype(np.int32)
+    bits = pack_fragment_bits(padded.partial_masks())
+    per_row = np.diff(row_ptr)
+    return SparseLayout(block_mask.n, block_mask.m, bq, bk, cp.asarray(row_ptr), cp.asarray(cols if cols.size else
+                        np.zeros(1, np.int32)), cp.asarray(slots if slots.size else np.zeros(1, np.int32)),
+                        cp.asarray(bits if bits.size else np.zeros((1, 2, 128), np.uint32)),
+                        bool(per_row.size > 1 and per_row[-1] > per_row[0]), padded.counts())
+
+
+def _layout_for(block_mask, n: int, m: int, d: int) -> SparseLayout:
+    """``block_mask`` (a BlockMask or a SparseLayout) checked against the call and made a layout (kept with the mask
+    object while it lives, so that a loop of calls with one mask builds it once)."""
+    from .. import blocksparse
+
+    if isinstance(block_mask, blocksparse.BlockMask):
+        per_device = _LAYOUTS.setdefault(block_mask, {})
+        dev = _device_id(_cupy())
+        layout = per_device.get(dev)
+        if layout is None:
+            layout = per_device[dev] = sparse_layout(block_mask)
+    elif isinstance(block_mask, SparseLayout):
+        layout = block_mask
+    else:
+        raise TypeError(f"block_mask must be a flashlab.blocksparse.BlockMask or a flashlab.gpu.SparseLayout; got "
+                        f"{type(block_mask).__name__} (for an n x m boolean mask: "
+                        "blocksparse.from_mask(mask).block_mask(n, m, *flashlab.gpu.sparse_block(d)))")
+    if (layout.n, layout.m) != (n, m):
+        raise ValueError(f"the block mask is for n = {layout.n} queries and m = {layout.m} keys; this call has "
+                         f"n = {n}, m = {m}")
+    if (layout.block_q, layout.block_k) != sparse_block(d):
+        raise ValueError(f"the block mask has tiles of {layout.block_q} x {layout.block_k}; at d = {d} the "
+                         f"block-sparse kernel reads {sparse_block(d)[0]} x {sparse_block(d)[1]}: build it with "
+                         f"pattern.block_mask(n, m, *flashlab.gpu.sparse_block({d}))")
+    return layout
+
+
+_NO_LIST: dict[int, Any] = {}  # device -> a one-element int32 array: the window kernel's unused list arguments
+
+
+def _sparse_attention(q, k, v, o, lse, dt: str, d: int, scale: float, causal: bool, kernel, window, dilation,
+                      block_mask) -> None:
+    """Launch the block-sparse kernel (``attention`` with ``window=`` or ``block_mask=``)."""
+    cp = _cupy()
+    B, H, n = (1, 1, q.shape[0]) if q.ndim == 2 else q.shape[:3]
+    Hk, m = (1, k.shape[0]) if k.ndim == 2 else k.shape[1:3]
+    if window is not None and block_mask is not None:
+        raise ValueError("give window= or block_mask=, not both (a window is a pattern: "
+                         "blocksparse.sliding_window(left, right) & other)")
+    if block_mask is not None:
+        if causal:
+            raise ValueError("causal=True with block_mask= is ambiguous: put it in the pattern "
+                             "(pattern & blocksparse.causal()) and pass causal=False")
+        if dilation != 1:
+            raise ValueError("dilation= goes with window=; for a block mask put the dilation in the pattern "
+                             "(blocksparse.dilated)")
+        mode = "blocks"
+    else:
+        mode = "window"
+    rung = _sparse_plan(mode, dt, d, scale > 0, kernel, device_limits()).spec
+    if mode == "window":
+        left, right, stride = _check_window(window, dilation, causal, n, m)
+        dev = _device_id(cp)
+        lists = _NO_LIST.get(dev)
+        if lists is None:
+            lists = _NO_LIST[dev] = cp.zeros(1, dtype=cp.int32)
+        lists = (lists, lists, lists, lists)
+        reverse = left >= n + m  # no left limit: later blocks see more keys
+        fn = f"attn_window_{dt}_d{d}"
+    else:
+        layout = _layout_for(block_mask, n, m, d)
+        left = right = stride = 0
+        lists, reverse = (layout.row_ptr, layout.tiles, layout.slots, layout.bits), layout.reverse
+        fn = f"attn_blocks_{dt}_d{d}"
+    kern = kernel_function(rung.file, fn, defines=rung.defines, shared_bytes=rung.shared_bytes(d))
+    args = (q, k, v, o, lse, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk), np.float32(scale), np.int32(left),
+            np.int32(right), np.int32(stride), np.int32(reverse), *lists)
+    kern((math.ceil(n / rung.block_rows), H, B), (rung.threads,), args, shared_mem=rung.shared_bytes(d))
+
+
 def plan(q, k, v, *, causal: bool = False, scale: float | None = None, kernel: str | Rung = "best",
-         bf16: bool = False) -> Plan:
+         bf16: bool = False, window: tuple[int | None, int | None] | None = None, dilation: int = 1,
+         block_mask=None) -> Plan:
     """The forward kernel ``attention(q, k, v, ...)`` launches on this GPU with these arguments, and why.
 
     ``kernel="best"`` takes the fastest rung that the device runs: its compute capability, the shared memory a
     block may use (``MaxSharedMemoryPerBlockOptin``) and its registers decide (``device_limits``); a named
     kernel that cannot run raises ValueError naming the limit. ``print(plan(q, k, v))`` says what was chosen and
     why each faster rung was passed over. The backward and decoding have ``plan_backward`` and ``plan_decode``.
+    A block-sparse call (``window=`` or ``block_mask=``) runs a kernel of ``SPARSE_MODES``: ``sparse_window`` (or
+    ``sparse_window_c32`` where it spills) or ``sparse_blocks``; where this GPU runs none, ValueError says why.
     """
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be True or False; got {causal!r}")
     dt = _check_inputs(q, k, v, bf16)
     d = q.shape[-1]
+    if window is not None or block_mask is not None:
+        mode = "blocks" if block_mask is not None else "window"
+        return _sparse_plan(mode, dt, d, check_scale(scale, d) > 0, kernel, device_limits())
     return _forward_plan(dt, d, check_scale(scale, d) > 0, kernel, device_limits())
 
 
 def plan_for(op: str, device: DeviceLimits | None = None, *, dtype: str = "f16", d: int = 128,
-             kernel: str = "best", positive_scale: bool = True) -> Plan:
+             kernel: str = "best", positive_scale: bool = True, sparse: str | None = None) -> Plan:
     """The plan of ``op`` ("forward", "backward" or "decode") without arrays: on ``device`` (a ``DeviceLimits``,
     e.g. ``KNOWN_DEVICES["T4"]``; default this GPU, ``device_limits()``) for ``dtype`` ("f32", "f16", "bf16")
-    and head dimension ``d``. The chapters ask it what a GPU runs; ValueError, naming the limit, when it runs
-    nothing."""
+    and head dimension ``d``; ``sparse="window"`` or ``"blocks"``: a block-sparse forward (``window=`` or
+    ``block_mask=``). The chapters ask it what a GPU runs; ValueError, naming the limit, when it runs nothing."""
     from . import backward, decoding
 
     lim = device_limits() if device is None else device
+    if sparse is not None:
+        if op != "forward" or sparse not in ("window", "blocks"):
+            raise ValueError(f"sparse= is 'window' or 'blocks', for op='forward'; got op={op!r}, sparse={sparse!r}")
+        return _sparse_plan(sparse, dtype, d, positive_scale, kernel, lim)
     if op == "forward":
         return _forward_plan(dtype, d, positive_scale, kernel, lim)
     if dtype == "f32":
@@ -598,7 +836,8 @@ def cannot_run_here(op: str = "forward", *kernels: str, **what) -> str | None:
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kernel: str | Rung = "best",
-              bf16: bool = False, out: tuple[Any, Any] | None = None):
+              bf16: bool = False, out: tuple[Any, Any] | None = None,
+              window: tuple[int | None, int | None] | None = None, dilation: int = 1, block_mask=None):
     """FlashAttention forward on the GPU. Returns ``(o, lse)``.
 
     q is (n, d) or (batch, heads, n, d); k and v are (m, d) or (batch, heads_kv, m, d) with heads_kv dividing
@@ -609,8 +848,16 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kern
     (``plan(q, k, v)`` says which and why). A kernel the GPU cannot run raises ValueError naming the limit.
     ``out`` = (o, lse) writes into given arrays instead of allocating (benchmarks; tests poison them first).
 
+    Block-sparse attention (``flashlab.blocksparse``; fp16/bf16, scale > 0): ``window=(left, right)`` lets query
+    i see key j when ``i + m - n - left <= j <= i + m - n + right`` (None: no limit on that side; ``(left, 0)``
+    is causal local attention; with ``causal=True`` the right side is cut at 0), ``dilation=r`` keeps every r-th of
+    those keys (``j - (i + m - n)`` a multiple of r). ``block_mask=`` takes any pattern as a
+    ``blocksparse.BlockMask`` built with ``sparse_block(d)`` tiles, or that mask made a ``SparseLayout`` once by
+    ``sparse_layout`` (no host work per call); the mask is shared by every batch and head. Empty tiles are never
+    loaded or computed, full tiles never masked (``plan`` names the kernel).
+
     o has q's shape and dtype; lse (q's shape without d, float32) is the logsumexp of each row of scaled
-    scores. A row that sees no key (causal with n > m) gets o = 0 and lse = -inf.
+    scores. A row that sees no key (causal with n > m, or outside its window) gets o = 0 and lse = -inf.
     """
     cp = _cupy()
     if not isinstance(causal, (bool, np.bool_)):
@@ -618,7 +865,10 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kern
     dt = _check_inputs(q, k, v, bf16)
     d = q.shape[-1]
     scale = check_scale(scale, d)
-    rung = _forward_plan(dt, d, scale > 0, kernel, device_limits()).spec
+    sparse = window is not None or block_mask is not None
+    if not sparse and dilation != 1:
+        raise ValueError("dilation= applies to a window: give window=(left, right) too (window=(None, 0): causal)")
+    rung = None if sparse else _forward_plan(dt, d, scale > 0, kernel, device_limits()).spec
     B, H, n = (1, 1, q.shape[0]) if q.ndim == 2 else q.shape[:3]
     Hk, m = (1, k.shape[0]) if k.ndim == 2 else k.shape[1:3]
     if out is None:
@@ -628,6 +878,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kern
         o, lse = out
         _check_out("out[0]", o, q.shape, q.dtype)
         _check_out("out[1]", lse, q.shape[:-1], cp.float32)
+    if sparse:
+        _sparse_attention(q, k, v, o, lse, dt, d, scale, bool(causal), kernel, window, dilation, block_mask)
+        return o, lse
 
     kern = get_kernel(rung, dt, d)
     grid = (math.ceil(n / rung.block_rows), H, B)

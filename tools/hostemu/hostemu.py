@@ -4,7 +4,7 @@
 backward and decoding tests) with the kernels compiled by the host C++ compiler instead of NVRTC, behind a NumPy
 stand-in for CuPy. ``--selfcheck [--quick]`` runs ``python -m flashlab selfcheck backward-decode`` the same way;
 ``--forward-check`` runs the forward ladder's rung 9 (proven on an H200) against float64, which checks the emulation
-itself.
+itself; ``--sparse`` runs the block-sparse kernel's GPU tests (``tests/test_gpu_sparse.py``).
 
 How: each ``.cu`` is compiled with g++ (C++20) by :mod:`flashlab.hostcuda`, whose ``cuda_host.h`` maps CUDA to the
 host. The kernels (and that package) of this checkout are the ones run, whatever ``flashlab`` is installed. A thread
@@ -197,7 +197,11 @@ def install(real_forward: bool = False) -> None:
     if real_forward:
         return
 
-    def attention(q, k, v, *, causal=False, scale=None, bf16=False, **_):
+    real = fgpu.attention
+
+    def attention(q, k, v, *, causal=False, scale=None, bf16=False, **kw):
+        if kw.get("window") is not None or kw.get("block_mask") is not None:  # block-sparse: the kernel itself
+            return real(q, k, v, causal=causal, scale=scale, bf16=bf16, **kw)
         f = fgpu.from_bf16 if bf16 else (lambda x: x.astype(np.float32))
         O, L = reference.attention(*(np.asarray(f(x), np.float64) for x in (q, k, v)), causal=causal, scale=scale)
         o = fgpu.to_bf16(cp.asarray(O.astype(np.float32))) if bf16 else cp.asarray(O.astype(q.dtype))
@@ -237,8 +241,10 @@ def forward_check() -> int:
 def main(argv: list[str] | None = None) -> int:
     """Install the emulation, then run pytest -m gpu on the chapter-8 tests (or a check; see the docstring)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    real = "--real-forward" in argv or "--forward-check" in argv
+    real = "--real-forward" in argv or "--forward-check" in argv or "--sparse" in argv
     argv = [a for a in argv if a != "--real-forward"]
+    if argv[:1] == ["--sparse"]:  # the block-sparse kernel's gpu tests (any further pytest arguments follow)
+        argv = [str(ROOT / "tests" / "test_gpu_sparse.py"), *argv[1:]]
     install(real_forward=real)
     if argv[:1] == ["--forward-check"]:
         return forward_check()

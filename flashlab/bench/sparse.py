@@ -1,0 +1,291 @@
+"""``python -m flashlab bench sparse``: block-sparse attention, time against the density of the pattern.
+
+For each sequence length of --n (self-attention, n = m) and each pattern: causal sliding windows of --windows
+tokens (``window=(w, 0)``: query i sees keys i - w .. i) and a dilated window (every --dilation-th of the last
+--dilated-window keys), three implementations on the same random fp16 inputs, in one run:
+
+* ``sparse_window``: ``flashlab.gpu.attention(..., window=, dilation=)``, the pattern as its numbers;
+* ``sparse_blocks``: the same pattern as a block mask (``blocksparse`` pattern -> ``sparse_layout``, made once
+  before the clock), the kernel that takes any pattern;
+* ``flex``: PyTorch's FlexAttention (``torch.nn.attention.flex_attention``, compiled with ``torch.compile``) with the
+  same mask (``create_block_mask`` of a ``mask_mod`` meaning the same pairs), timed after its warm-up;
+
+and, per n, dense causal attention by the course's own kernel (``causal``: ``attention(..., causal=True)``, the
+fastest rung) and by FlexAttention (``flex_causal``). Each output is checked once against ``sparse_window``'s (the
+causal ones against each other) before it is timed, under each protocol of --protocols. Every row carries the
+pattern, its tile density (computed tiles over all tiles at the kernel's 128 x 64 tiles), the visible pairs
+(``pairs``, per head) and the TFLOP/s of the visible pairs (4 d per pair); the printed table adds time per computed
+tile relative to dense causal (1.00 = time proportional to the computed tiles) and the speed against flex.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from .. import blocksparse, records
+from . import add_protocols, error_line, gpu_main, max_diff, record_parser
+
+OUT_DIR = records.DATA_DIR / "benchmarks"
+TILE = (128, 64)  # the window kernel's tiles (flashlab.gpu.SPARSE_TILES): what the density is counted in
+IMPLS = ("sparse_window", "sparse_blocks", "flex")
+
+
+def pattern_of(window: tuple[int | None, int | None], dilation: int = 1) -> blocksparse.Window:
+    """The ``blocksparse`` pattern of ``attention(..., window=window, dilation=dilation)``."""
+    return blocksparse.dilated(dilation, left=window[0], right=window[1])
+
+
+def visible_pairs(pattern: blocksparse.Window, n: int, m: int) -> int:
+    """The (query, key) pairs a window pattern lets through, counted row by row from its formula (never the n x m
+    mask): the useful work of a call, 4 d FLOP per pair."""
+    pattern.check(n, m)
+    i = np.arange(n, dtype=np.int64)
+    off = m - n
+    lo = np.maximum(0, i + off - (m if pattern.left is None else pattern.left)) - (i + off)  # lowest delta seen
+    hi = np.minimum(m - 1, i + off + (n if pattern.right is None else pattern.right)) - (i + off)
+    r = pattern.stride
+    # multiples of r in [lo, hi]: floor(hi / r) - ceil(lo / r) + 1 (none when hi < lo)
+    count = np.floor_divide(hi, r) - (-np.floor_divide(-lo, r)) + 1
+    return int(np.maximum(count, 0).sum())
+
+
+def mask_mod(left, right, stride, offset: int = 0):
+    """A FlexAttention ``mask_mod`` meaning ``pattern_of((left, right), stride)`` for n queries and m = n + offset
+    keys. ``left``, ``right``, ``stride``: numbers, or 0-d tensors (FlexAttention then compiles one kernel for every
+    window instead of one per value); None is no limit. Works on NumPy index arrays too (the tests use them)."""
+    def mod(b, h, q_idx, kv_idx):
+        delta = kv_idx - (q_idx + offset)
+        seen = delta == delta  # all True, in whatever array type the indices are
+        if left is not None:
+            seen = seen & (delta >= -left)
+        if right is not None:
+            seen = seen & (delta <= right)
+        if stride is not None:
+            seen = seen & (delta % stride == 0)
+        return seen
+
+    return mod
+
+
+def patterns(args: argparse.Namespace) -> list[tuple[str, tuple[int | None, int | None], int]]:
+    """(label, window, dilation) of every sparse pattern the run times."""
+    out = [(f"window {w}", (w, 0), 1) for w in args.windows]
+    if args.dilation > 1:
+        out.append((f"dilated {args.dilation} window {args.dilated_window}", (args.dilated_window, 0), args.dilation))
+    return out
+
+
+def run(args: argparse.Namespace, rows: list[dict]) -> None:
+    """Every n of ``args.n``: dense causal first (ours, FlexAttention), then every pattern, every implementation."""
+    import cupy as cp
+
+    rng = cp.random.default_rng(0)
+    for n in args.n:
+        shape = (args.batch, args.heads, n, args.d)
+        q, k, v = (rng.standard_normal(shape, dtype=cp.float32).astype(cp.float16) for _ in range(3))
+        _one_length(args, rows, q, k, v)
+        del q, k, v
+        cp.get_default_memory_pool().free_all_blocks()
+
+
+class Flex:
+    """FlexAttention compiled (it needs torch.compile to run fused), with one ``mask_mod`` for every pattern: its
+    window and stride live in three 0-d tensors that ``set`` overwrites, so that torch.compile builds one kernel
+    per sequence length rather than one per pattern (a new mask_mod, or a new number in one, recompiles)."""
+
+    def __init__(self) -> None:
+        import torch
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        self.torch, self.create_block_mask = torch, create_block_mask
+        self.flex_attention = torch.compile(flex_attention, dynamic=False)
+        self.left, self.right, self.stride = (torch.zeros((), dtype=torch.int32, device="cuda") for _ in range(3))
+        self.mod = mask_mod(self.left, self.right, self.stride)
+
+    def set(self, n: int, window: tuple[int | None, int | None], dilation: int):
+        """Point the mask_mod at ``pattern_of(window, dilation)`` for n = m tokens; returns its block mask (128 x 128
+        blocks, built before the clock, without materialising the n x n mask)."""
+        self.left.fill_(n if window[0] is None else window[0])
+        self.right.fill_(n if window[1] is None else window[1])
+        self.stride.fill_(dilation)
+        import inspect
+
+        # _compile: build it with a compiled kernel instead of the n x n mask (17 GB at n = 64k) where offered
+        fast = {"_compile": True} if "_compile" in inspect.signature(self.create_block_mask).parameters else {}
+        return self.create_block_mask(self.mod, None, None, n, n, device="cuda", **fast)
+
+
+def _flex():
+    """A :class:`Flex`, or None and the reason why not."""
+    try:
+        return Flex(), None
+    except Exception as e:  # noqa: BLE001 - no PyTorch, no FlexAttention: recorded as such
+        return None, f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def _one_length(args, rows: list[dict], q, k, v) -> None:
+    import cupy as cp
+
+    import flashlab.gpu as fgpu
+
+    B, H, n, d = q.shape
+    flex, why_not = _flex() if "flex" in args.impls else (None, None)
+    o = cp.empty_like(q)
+    lse = cp.empty(q.shape[:-1], dtype=cp.float32)
+    base = {"pass": "forward", "dtype": "float16", "d": d, "n": n, "batch": B, "heads": H}
+    causal_pattern = blocksparse.causal()
+    dense = {"pattern": "causal", "window": [None, 0], "dilation": 1,
+             "density": causal_pattern.block_mask(n, n, *TILE).density, "pairs": visible_pairs(causal_pattern, n, n)}
+    ref = fgpu.attention(q, k, v, causal=True)[0].copy()
+    _time(args, rows, {**base, **dense, "impl": "causal"}, lambda: fgpu.attention(q, k, v, causal=True, out=(o, lse)),
+          "cupy", lambda: fgpu.attention(q, k, v, causal=True)[0], ref, "causal")
+    if flex is not None:
+        tq, tk, tv = (flex.torch.from_dlpack(x) for x in (q, k, v))
+        _time_flex(args, rows, {**base, **dense, "impl": "flex_causal"}, flex, (None, 0), 1, tq, tk, tv, ref,
+                   "causal")
+    elif why_not:
+        rows.append({**base, **dense, "impl": "flex_causal", "error": why_not})
+    del ref
+    for label, window, dilation in patterns(args):
+        pattern = pattern_of(window, dilation)
+        info = {"pattern": label, "window": list(window), "dilation": dilation,
+                "density": pattern.block_mask(n, n, *TILE).density, "pairs": visible_pairs(pattern, n, n)}
+
+        def ours(window=window, dilation=dilation):
+            return fgpu.attention(q, k, v, window=window, dilation=dilation, out=(o, lse))
+
+        ref = fgpu.attention(q, k, v, window=window, dilation=dilation)[0]
+        _time(args, rows, {**base, **info, "impl": "sparse_window"}, ours, "cupy",
+              lambda window=window, dilation=dilation: fgpu.attention(q, k, v, window=window, dilation=dilation)[0],
+              ref, "sparse_window")
+        if "sparse_blocks" in args.impls:
+            try:
+                layout = fgpu.sparse_layout(pattern.block_mask(n, n, *fgpu.sparse_block(d)))
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory: recorded, the table goes on
+                rows.append({**base, **info, "impl": "sparse_blocks", "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            else:
+                _time(args, rows, {**base, **info, "impl": "sparse_blocks", "layout_bytes": layout.nbytes},
+                      lambda layout=layout: fgpu.attention(q, k, v, block_mask=layout, out=(o, lse)), "cupy",
+                      lambda layout=layout: fgpu.attention(q, k, v, block_mask=layout)[0], ref, "sparse_window")
+                del layout
+        if flex is not None:
+            _time_flex(args, rows, {**base, **info, "impl": "flex"}, flex, window, dilation, tq, tk, tv, ref,
+                       "sparse_window")
+        elif why_not:
+            rows.append({**base, **info, "impl": "flex", "error": why_not})
+        del ref
+        cp.get_default_memory_pool().free_all_blocks()
+
+
+def _time_flex(args, rows, base, flex: Flex, window, dilation, tq, tk, tv, ref, ref_name) -> None:
+    """FlexAttention with the same pattern (its own block mask of 128 x 128 blocks, built before the clock)."""
+    import cupy as cp
+
+    try:
+        bm = flex.set(tq.shape[-2], window, dilation)
+        base = {**base, "flex_density": round(1 - float(bm.sparsity()) / 100, 6)}
+    except Exception as e:  # noqa: BLE001 - recorded, the table goes on
+        rows.append({**base, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+        return
+
+    def call():
+        return flex.flex_attention(tq, tk, tv, block_mask=bm)
+
+    _time(args, rows, base, call, "torch", lambda: cp.from_dlpack(call().contiguous()), ref, ref_name)
+
+
+def _time(args, rows: list[dict], base: dict, fn, kind: str, result, ref, ref_name: str) -> None:
+    """Check ``result()`` against ``ref`` once, then time ``fn`` under each protocol: one row each (or one row with
+    the error)."""
+    import cupy as cp
+
+    if base["impl"] not in args.impls and base["impl"] not in ("causal", "flex_causal"):
+        return
+    try:
+        err = max_diff(result(), ref)
+        times = {p: records.median_ms(fn, args.repeat, args.warmup, kind=kind, protocol=p) for p in args.protocols}
+    except Exception as e:  # noqa: BLE001 - recorded, the table goes on
+        rows.append({**base, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+        print(f"  {base['impl']:<14} {base['pattern']:<28} {rows[-1]['error'][:100]}", flush=True)
+        cp.get_default_memory_pool().free_all_blocks()
+        return
+    flop = 4 * base["d"] * base["pairs"] * base["batch"] * base["heads"]
+    for protocol, ms in times.items():
+        rows.append({**base, "protocol": protocol, "median_ms": round(ms, 5),
+                     "tflops": round(flop / (ms * 1e-3) / 1e12, 3), "repeat": args.repeat, "max_abs_diff": err,
+                     "diff_against": ref_name})
+        print(f"  {base['impl']:<14} n={base['n']:<6} {base['pattern']:<28} density {base['density']:.4f} "
+              f"{protocol:<10} {ms:9.3f} ms {rows[-1]['tflops']:7.1f} TFLOP/s  max|diff vs {ref_name}|={err:.1e}",
+              flush=True)
+
+
+def per_tile_ratios(rows: list[dict]) -> dict[tuple, float]:
+    """(impl, protocol, n, pattern) -> time per computed tile over dense causal's (the course's kernel, same n and
+    protocol): 1.0 when time is proportional to the computed tiles. FlexAttention rows are taken against
+    FlexAttention's own dense causal row."""
+    dense = {(r["impl"], records.protocol_of(r), r["n"]): r for r in rows
+             if "error" not in r and r["impl"] in ("causal", "flex_causal")}
+    out = {}
+    for r in rows:
+        if "error" in r:
+            continue
+        base = dense.get(("flex_causal" if r["impl"].startswith("flex") else "causal", records.protocol_of(r), r["n"]))
+        if base is not None:
+            out[(r["impl"], records.protocol_of(r), r["n"], r["pattern"])] = (
+                (r["median_ms"] / r["density"]) / (base["median_ms"] / base["density"]))
+    return out
+
+
+def format_rows(rows: list[dict]) -> str:
+    """Plain text, one line per row: time, TFLOP/s of the visible pairs, time per computed tile relative to dense
+    causal (same implementation family, n and protocol), and the speed against FlexAttention with the same mask."""
+    ratios = per_tile_ratios(rows)
+    flex = {(records.protocol_of(r), r["n"], r["pattern"]): r["median_ms"] for r in rows
+            if "error" not in r and r["impl"] in ("flex", "flex_causal")}
+    lines = [f"{'impl':<14} {'n':>6} {'pattern':<28} {'density':>8} {'protocol':<10} {'ms':>9} {'TFLOP/s':>8} "
+             f"{'per tile':>8} {'x flex':>7}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(error_line(r))
+            continue
+        p = records.protocol_of(r)
+        ratio = ratios.get((r["impl"], p, r["n"], r["pattern"]))
+        fl = flex.get((p, r["n"], r["pattern"]))
+        per_tile = "-" if ratio is None else f"{ratio:.2f}"
+        x_flex = "-" if fl is None else f"{fl / r['median_ms']:.2f}"
+        lines.append(f"{r['impl']:<14} {r['n']:>6} {r['pattern']:<28} {r['density']:8.4f} {p:<10} "
+                     f"{r['median_ms']:9.3f} {r['tflops']:8.1f} {per_tile:>8} {x_flex:>7}")
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of this benchmark."""
+    p = record_parser("sparse", __doc__.splitlines()[0], name="sparse", out=OUT_DIR, repeat=20, warmup=3)
+    p.add_argument("--n", nargs="+", type=int, default=[16384, 65536], help="sequence lengths (n = m)")
+    p.add_argument("--windows", nargs="+", type=int, default=[256, 512, 1024, 2048, 4096, 8192],
+                   help="causal sliding windows: keys i - w .. i")
+    p.add_argument("--dilation", type=int, default=4, help="the dilated pattern's stride (1: none)")
+    p.add_argument("--dilated-window", type=int, default=8192, help="how far back the dilated pattern reaches")
+    p.add_argument("--d", type=int, default=128, choices=(64, 128), help="head dimension")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS,
+                   help="implementations of each pattern (dense causal is always timed)")
+    add_protocols(p)
+    return p
+
+
+def kernel_hashes() -> dict:
+    """Provenance of a sparse record: the hash of the block-sparse kernel's source (the rungs' are there already)."""
+    from ..gpu import KERNEL_DIR, SPARSE_FILE
+
+    return {"kernel_sha256_sparse": records.file_hashes([KERNEL_DIR / SPARSE_FILE])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print it; write data/benchmarks/NAME.json unless --no-write."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return gpu_main("sparse", argv, parser(), run, format_rows, extra_provenance=kernel_hashes)

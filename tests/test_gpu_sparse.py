@@ -1,0 +1,381 @@
+"""Block-sparse attention on the GPU (flashlab/gpu/kernels/sparse_r9_window.cu) against the float64 reference.
+
+``attention(..., window=(left, right), dilation=r)`` and ``attention(..., block_mask=...)`` are held to the rule of
+every fp16/bf16 kernel (CONTRIBUTING.md, Correctness): the max error against float64 at most twice that of naive
+attention in the same precision, masked the same way; lse too, and the rows that see no key are -inf in both.
+Outputs are poisoned first, so an element the kernel forgot shows up. The same tests run on a CPU under the host
+emulation (``python tools/hostemu/hostemu.py --sparse``; the last test here runs it).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import flashlab.gpu as fgpu
+from flashlab import blocksparse, reference
+
+HOSTEMU = pathlib.Path(__file__).resolve().parents[1] / "tools" / "hostemu" / "hostemu.py"
+HALF = ("f16", "bf16")
+
+
+def _tga():
+    import test_gpu_attention as tga  # the forward's test helpers: rounding, transfers, error
+
+    return tga
+
+
+# ---------------------------------------------------------------------------------------------- CPU-side checks
+def test_fragment_bits_follow_the_mma_accumulator_layout(rng):
+    """Thread t's word for 16-row tile mt holds, at bit (e // 2) * BC / 4 + 2 nt + e % 2, the element its
+    accumulator register e of fragment nt holds: row 32 warp + 16 mt + 8 (e // 2) + lane // 4, column
+    8 nt + 2 (lane % 4) + e % 2 (written out here thread by thread)."""
+    for bc in (64, 32):
+        masks = rng.random((3, 128, bc)) < 0.5
+        words = fgpu.pack_fragment_bits(masks)
+        assert words.shape == (3, 2, 128) and words.dtype == np.uint32
+        for p in range(3):
+            for mt in range(2):
+                for t in range(128):
+                    warp, lane = divmod(t, 32)
+                    for nt in range(bc // 8):
+                        for e in range(4):
+                            row = 32 * warp + 16 * mt + 8 * (e // 2) + lane // 4
+                            col = 8 * nt + 2 * (lane % 4) + e % 2
+                            bit = (int(words[p, mt, t]) >> ((e // 2) * bc // 4 + 2 * nt + e % 2)) & 1
+                            assert bit == masks[p, row, col], (bc, p, mt, t, nt, e)
+    with pytest.raises(ValueError, match="128"):
+        fgpu.pack_fragment_bits(np.zeros((1, 64, 64), bool))
+
+
+def test_plan_names_the_sparse_kernel_or_says_why_not():
+    h200, a100, t4 = (fgpu.KNOWN_DEVICES[name] for name in ("H200", "A100", "T4"))
+    for sparse in ("window", "blocks"):
+        for d in fgpu.HEAD_DIMS:
+            for dt in HALF:
+                plan = fgpu.plan_for("forward", h200, dtype=dt, d=d, sparse=sparse)
+                assert plan.kernel == f"sparse_{sparse}" and plan.file == fgpu.SPARSE_FILE
+        with pytest.raises(ValueError, match="sm_80 or newer"):
+            fgpu.plan_for("forward", t4, dtype="f16", d=64, sparse=sparse)
+        with pytest.raises(ValueError, match="float16 or bfloat16"):
+            fgpu.plan_for("forward", h200, dtype="f32", d=64, sparse=sparse)
+        with pytest.raises(ValueError, match="scale > 0"):
+            fgpu.plan_for("forward", h200, d=64, sparse=sparse, positive_scale=False)
+    # The window kernel keeps 64-key tiles at d = 128, which spill on sm_80-89: its 32-key variant runs there.
+    plan = fgpu.plan_for("forward", a100, d=128, sparse="window")
+    assert plan.kernel == "sparse_window_c32" and "spills registers at d = 128 on sm_80" in plan.reason
+    with pytest.raises(ValueError, match="'best' would choose 'sparse_window_c32'"):
+        fgpu.plan_for("forward", a100, d=128, sparse="window", kernel="sparse_window")
+    assert fgpu.plan_for("forward", a100, d=64, sparse="window").kernel == "sparse_window"
+    assert fgpu.plan_for("forward", a100, d=128, sparse="blocks").kernel == "sparse_blocks"
+    with pytest.raises(ValueError, match="'window' or 'blocks'"):
+        fgpu.plan_for("forward", h200, sparse="diagonal")
+    with pytest.raises(ValueError, match="sparse_window"):
+        fgpu.plan_for("forward", h200, sparse="window", kernel="addressing")
+    assert fgpu.plan_for("forward", h200, sparse="window", kernel="sparse_window_c32").kernel == "sparse_window_c32"
+
+
+def test_sparse_tiles_are_the_kernel_file_tiles():
+    """SPARSE_TILES (what a block mask is built with) is what the kernel file compiles: BR rows, BC_* keys."""
+    src = (fgpu.KERNEL_DIR / fgpu.SPARSE_FILE).read_text()
+    define = {name: int(value) for name, value in re.findall(r"#define (BC_D64|BC_D128|BC_LIST_D128) (\d+)", src)}
+    assert fgpu.SPARSE_TILES["sparse_window"] == {64: (128, define["BC_D64"]), 128: (128, define["BC_D128"])}
+    assert fgpu.SPARSE_TILES["sparse_blocks"] == {64: (128, define["BC_D64"]), 128: (128, define["BC_LIST_D128"])}
+    c32 = fgpu.SPARSE_KERNELS["sparse_window_c32"]
+    assert c32.defines == ("-DBC_D128=32",) and fgpu.SPARSE_TILES[c32.name] == {64: (128, define["BC_D64"]),
+                                                                               128: (128, 32)}
+    for name, rung in fgpu.SPARSE_KERNELS.items():
+        for d in fgpu.HEAD_DIMS:
+            bq, bk = fgpu.SPARSE_TILES[name][d]
+            assert rung.block_rows == bq and rung.shared_bytes(d) == (bq + 4 * bk) * d * 2, (name, d)
+
+
+def test_benchmark_counts_pairs_and_masks_as_the_patterns_mean(rng):
+    """bench sparse: the visible pairs (its FLOP) counted from the formula equal the mask's; FlexAttention's
+    mask_mod, evaluated on index grids, is the same mask as the pattern of attention(window=, dilation=)."""
+    from flashlab.bench import sparse
+
+    for _ in range(40):
+        n, m = (int(x) for x in rng.integers(1, 90, size=2))
+        window = (rng.choice([None, int(rng.integers(0, m))]), rng.choice([None, 0, int(rng.integers(0, n))]))
+        dilation = int(rng.integers(1, 6))
+        pattern = sparse.pattern_of(window, dilation)
+        mask = pattern.mask(n, m)
+        assert sparse.visible_pairs(pattern, n, m) == int(mask.sum()), (n, m, window, dilation)
+        mod = sparse.mask_mod(window[0], window[1], dilation, offset=m - n)
+        np.testing.assert_array_equal(mod(0, 0, np.arange(n)[:, None], np.arange(m)[None, :]), mask)
+    args = sparse.parser().parse_args([])
+    assert args.n == [16384, 65536] and args.windows == [256, 512, 1024, 2048, 4096, 8192]
+    assert [label for label, _, _ in sparse.patterns(args)][-1] == "dilated 4 window 8192"
+
+
+def test_benchmark_table_takes_time_per_tile_against_dense_causal():
+    from flashlab.bench import sparse
+
+    base = {"n": 1024, "d": 128, "batch": 1, "heads": 1, "protocol": "throughput"}
+    rows = [{**base, "impl": "causal", "pattern": "causal", "density": 0.5, "median_ms": 2.0, "tflops": 1.0},
+            {**base, "impl": "flex_causal", "pattern": "causal", "density": 0.5, "median_ms": 2.5, "tflops": 1.0},
+            {**base, "impl": "sparse_window", "pattern": "window 256", "density": 0.125, "median_ms": 0.6,
+             "tflops": 1.0},
+            {**base, "impl": "flex", "pattern": "window 256", "density": 0.125, "median_ms": 0.75, "tflops": 1.0},
+            {**base, "impl": "sparse_blocks", "pattern": "window 256", "error": "out of memory"}]
+    ratios = sparse.per_tile_ratios(rows)
+    assert ratios[("sparse_window", "throughput", 1024, "window 256")] == pytest.approx((0.6 / 0.125) / (2.0 / 0.5))
+    assert ratios[("flex", "throughput", 1024, "window 256")] == pytest.approx((0.75 / 0.125) / (2.5 / 0.5))
+    table = sparse.format_rows(rows).splitlines()
+    window_row = next(line for line in table if line.startswith("sparse_window"))
+    assert window_row.split()[-2:] == ["1.20", "1.25"]  # per tile vs dense causal, speed vs flex (0.75 / 0.6)
+    assert any("out of memory" in line for line in table)
+
+
+# ----------------------------------------------------------------------------------------------------- helpers
+def _naive_masked(q, k, v, mask, scale, dt):
+    """Eager attention in dtype dt with an (n, m) mask: the same-precision baseline of the 2x rule."""
+    tga = _tga()
+    if q.ndim == 4 and k.shape[1] != q.shape[1]:
+        g = q.shape[1] // k.shape[1]
+        k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+    s = tga._round(q @ np.swapaxes(k, -1, -2), dt) * np.float32(scale)
+    s = np.where(mask, s, -np.inf)
+    mx = s.max(axis=-1, keepdims=True)
+    mx = np.where(np.isfinite(mx), mx, 0)
+    p = np.exp(s - mx)
+    tot = p.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        lse = (mx + np.log(tot))[..., 0]
+    p = tga._round(p / np.where(tot > 0, tot, 1), dt)
+    return tga._round(p @ v, dt), lse
+
+
+def _inputs(rng, dt, B, H, Hk, n, m, d):
+    tga = _tga()
+    q = tga._round(rng.standard_normal((B, H, n, d)), dt)
+    k = tga._round(rng.standard_normal((B, Hk, m, d)), dt)
+    v = tga._round(rng.standard_normal((B, Hk, m, d)), dt)
+    return q, k, v
+
+
+def _check(rng, dt, shape, pattern, *, inputs=None, nan_keys: int = 0, **call):
+    """One call against float64 with ``pattern`` (a blocksparse pattern: what the call means), by the 2x rule;
+    ``nan_keys``: the kernel's copy of the first keys and values holds NaN (the references see the numbers)."""
+    import cupy as cp
+
+    tga = _tga()
+    B, H, Hk, n, m, d = shape
+    q, k, v = inputs if inputs is not None else _inputs(rng, dt, B, H, Hk, n, m, d)
+    scale = fgpu.check_scale(call.get("scale"), d)
+    mask = pattern.mask(n, m)
+    O_ref, L_ref = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), scale=scale, mask=mask)
+    O_nv, L_nv = _naive_masked(q, k, v, mask, scale, dt)
+    k, v = k.copy(), v.copy()
+    k[..., :nan_keys, :] = v[..., :nan_keys, :] = np.nan
+    qg, kg, vg = (tga._to_gpu(x, dt) for x in (q, k, v))
+    o = cp.full(qg.shape, 0xFFFF if dt == "bf16" else np.nan, dtype=qg.dtype)
+    lse = cp.full(qg.shape[:-1], np.nan, dtype=cp.float32)
+    fgpu.attention(qg, kg, vg, bf16=dt == "bf16", out=(o, lse), **call)
+    cp.cuda.Device().synchronize()
+    O, L = tga._from_gpu(o, dt), lse.get().astype(np.float64)
+
+    what = f"{dt} B={B} H={H} Hk={Hk} n={n} m={m} d={d} {({a: b for a, b in call.items() if a != 'block_mask'})}"
+    assert np.isfinite(O).all(), f"unwritten or nan outputs: {what}"
+    assert not np.isnan(L).any(), f"unwritten or nan lse: {what}"
+    np.testing.assert_array_equal(np.isneginf(L), np.isneginf(L_ref), err_msg=f"-inf rows differ: {what}")
+    assert tga._err(O, O_ref) <= 2 * tga._err(O_nv, O_ref) + 1e-6, (what, tga._err(O, O_ref), tga._err(O_nv, O_ref))
+    fin = np.isfinite(L_ref)
+    lerr = tga._err(L[fin], L_ref[fin])
+    assert lerr <= 2 * tga._err(L_nv[fin], L_ref[fin]) + 1e-5 * max(1.0, float(np.abs(L_ref[fin]).max(initial=0))), (
+        what, lerr)
+    assert (O[..., ~mask.any(axis=1), :] == 0).all(), f"a row that sees no key is not 0: {what}"
+    return O, L
+
+
+def _length(rng, small: bool):
+    """Ragged lengths: 1, a prime, below a tile, or a few tiles and a remainder."""
+    return int(rng.choice([1, 7, 61, 127, int(rng.integers(2, 128)), int(rng.integers(129, 300 if small else 400))]))
+
+
+# ------------------------------------------------------------------------------------------------- GPU checks
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", HALF)
+def test_sliding_windows_on_ragged_shapes(rng, dt):
+    for trial in range(6):
+        d = fgpu.HEAD_DIMS[trial % 2]
+        n, m = _length(rng, True), _length(rng, True)
+        Hk = int(rng.integers(1, 3))
+        H = Hk * int(rng.integers(1, 3))  # GQA when H > Hk
+        # each side: 0, a few tokens, up to the whole sequence, or no limit
+        left = [0, min(int(rng.integers(1, 40)), m - 1), m - 1, None][trial % 4]
+        right = [0, None, int(rng.integers(0, n)), 0][trial % 4]
+        _check(rng, dt, (1, H, Hk, n, m, d), blocksparse.sliding_window(left, right), window=(left, right))
+
+
+@pytest.mark.gpu
+def test_the_32_key_window_variant(rng):
+    """sparse_window_c32 (what the plan takes at d = 128 where 64-key tiles spill), asked for by name."""
+    for dt, (n, m, left, right, r) in zip(HALF, ((200, 170, 45, 3, 1), (130, 300, None, 0, 4)), strict=True):
+        _check(rng, dt, (1, 2, 1, n, m, 128), blocksparse.dilated(r, left=left, right=right), window=(left, right),
+               dilation=r, kernel="sparse_window_c32")
+
+
+@pytest.mark.gpu
+def test_window_edge_cases(rng):
+    pattern = blocksparse.sliding_window
+    # left and right 0: each query sees its own position only; n > m leaves the first n - m rows empty
+    _check(rng, "f16", (1, 2, 1, 150, 37, 64), pattern(0, 0), window=(0, 0))
+    # a window wider than n (but within m), n != m both ways
+    _check(rng, "f16", (1, 1, 1, 50, 300, 128), pattern(200, 0), window=(200, 0))
+    _check(rng, "bf16", (1, 1, 1, 300, 50, 64), pattern(49, 120), window=(49, 120))
+    # causal=True cuts the right side at 0; window (None, None) is dense attention
+    _check(rng, "f16", (2, 2, 2, 200, 200, 64), pattern(70, 0), window=(70, 30), causal=True)
+    _check(rng, "f16", (1, 1, 1, 130, 190, 64), pattern(None, None), window=(None, None))
+    # huge logits: the running max is subtracted
+    q, k, v = _inputs(rng, "f16", 1, 1, 1, 140, 140, 64)
+    _check(rng, "f16", (1, 1, 1, 140, 140, 64), pattern(33, 5), inputs=((q * 125).astype(np.float16), k, v),
+           window=(33, 5), scale=1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", HALF)
+def test_dilated_windows(rng, dt):
+    for d, (n, m, left, right, r) in zip((64, 128, 64), ((200, 200, None, 0, 3), (150, 260, 90, 10, 4),
+                                                         (100, 70, 69, 0, 200)), strict=True):
+        _check(rng, dt, (1, 2, 1, n, m, d), blocksparse.dilated(r, left=left, right=right), window=(left, right),
+               dilation=r)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", HALF)
+def test_block_masks_of_every_kind_of_pattern(rng, dt):
+    for d in fgpu.HEAD_DIMS:
+        n, m = _length(rng, True), _length(rng, True)
+        user = rng.random((n, m)) < 0.3
+        tiles = rng.random((int(np.ceil(n / 37)), int(np.ceil(m / 50)))) < 0.4
+        for pattern in (blocksparse.local_global(min(17, m - 1), min(3, n - 1), sorted({0, m // 2})),
+                        blocksparse.dilated(5, left=min(90, m - 1)),
+                        blocksparse.from_mask(user),
+                        blocksparse.from_blocks(tiles, 37, 50) & blocksparse.causal()):
+            bm = pattern.block_mask(n, m, *fgpu.sparse_block(d))
+            _check(rng, dt, (1, 2, 1, n, m, d), pattern, block_mask=bm)
+
+
+@pytest.mark.gpu
+def test_a_prepared_layout_serves_every_batch_and_head(rng):
+    n, m, d = 260, 300, 128
+    pattern = blocksparse.local_global(40, 0, [0, 1, 2]) & blocksparse.causal()
+    counts = pattern.block_mask(n, m, *fgpu.sparse_block(d)).counts()
+    layout = fgpu.sparse_layout(pattern.block_mask(n, m, *fgpu.sparse_block(d)))
+    # the same computed tiles; the last key tile (300 = 9 x 32 + 12 keys) is masked wherever it is computed
+    assert layout.counts["empty"] == counts["empty"] and int(layout.row_ptr[-1]) == counts["partial"] + counts["full"]
+    assert layout.counts["partial"] == counts["partial"] + int((pattern.block_mask(
+        n, m, *fgpu.sparse_block(d)).kinds[:, -1] == blocksparse.FULL).sum())
+    _check(rng, "bf16", (2, 4, 2, n, m, d), pattern, block_mask=layout)
+
+
+@pytest.mark.gpu
+def test_a_block_mask_is_laid_out_once_per_mask(rng, monkeypatch):
+    import cupy as cp
+
+    built = []
+    real = fgpu.sparse_layout
+    monkeypatch.setattr(fgpu, "sparse_layout", lambda bm: built.append(bm) or real(bm))
+    q, k, v = (cp.asarray(x.astype(np.float16)) for x in _inputs(rng, "f16", 1, 1, 1, 70, 90, 64))
+    first = blocksparse.sliding_window(20, 0).block_mask(70, 90, *fgpu.sparse_block(64))
+    o1 = fgpu.attention(q, k, v, block_mask=first)[0].get()
+    o2 = fgpu.attention(q, k, v, block_mask=first)[0].get()
+    assert len(built) == 1 and (o1 == o2).all()
+    other = blocksparse.sliding_window(5, 0).block_mask(70, 90, *fgpu.sparse_block(64))  # same shape, other mask
+    o3 = fgpu.attention(q, k, v, block_mask=other)[0].get()
+    assert len(built) == 2 and not (o3 == o1).all()
+
+
+@pytest.mark.gpu
+def test_empty_tiles_are_never_read(rng):
+    """Keys that no query's window reaches hold NaN: a kernel that loaded and computed their tiles would spread it
+    (NaN times a zero probability is NaN). A block mask's empty tiles likewise."""
+    n, m, d = 130, 600, 64
+    # window (100, 0): query i (position i + 470) sees keys from 370 on; key tiles 0-4 (keys 0-319) are empty
+    _check(rng, "f16", (1, 1, 1, n, m, d), blocksparse.sliding_window(100, 0), nan_keys=320, window=(100, 0))
+    blocks = np.ones((2, 10), bool)
+    blocks[:, :5] = False
+    pattern = blocksparse.from_blocks(blocks, 128, 64)
+    _check(rng, "f16", (1, 1, 1, n, m, d), pattern, nan_keys=320,
+           block_mask=pattern.block_mask(n, m, *fgpu.sparse_block(d)))
+
+
+@pytest.mark.gpu
+def test_bad_sparse_inputs_get_clear_errors():
+    import cupy as cp
+
+    x = cp.zeros((1, 1, 100, 64), dtype=cp.float16)
+    with pytest.raises(ValueError, match="larger than the sequence"):
+        fgpu.attention(x, x, x, window=(100, 0))
+    with pytest.raises(ValueError, match="larger than the sequence"):
+        fgpu.attention(x, x, x, window=(0, 100))
+    with pytest.raises(TypeError, match="pair"):
+        fgpu.attention(x, x, x, window=64)
+    with pytest.raises(ValueError, match=">= 0"):
+        fgpu.attention(x, x, x, window=(-1, 0))
+    with pytest.raises(ValueError, match="dilation"):
+        fgpu.attention(x, x, x, window=(10, 0), dilation=0)
+    with pytest.raises(ValueError, match="give window"):
+        fgpu.attention(x, x, x, dilation=2)
+    bm = blocksparse.causal().block_mask(100, 100, *fgpu.sparse_block(64))
+    with pytest.raises(ValueError, match="n = 100 queries and m = 100 keys; this call has n = 100, m = 90"):
+        fgpu.attention(x, x[..., :90, :], x[..., :90, :], block_mask=bm)
+    with pytest.raises(ValueError, match=r"at d = 128 the block-sparse kernel reads 128 x 32"):
+        y = cp.zeros((1, 1, 100, 128), dtype=cp.float16)
+        fgpu.attention(y, y, y, block_mask=bm)
+    with pytest.raises(ValueError, match="tiles of 64 x 64"):
+        fgpu.attention(x, x, x, block_mask=blocksparse.causal().block_mask(100, 100, 64, 64))
+    with pytest.raises(TypeError, match="BlockMask"):
+        fgpu.attention(x, x, x, block_mask=np.ones((100, 100), bool))
+    with pytest.raises(ValueError, match="not both"):
+        fgpu.attention(x, x, x, window=(5, 0), block_mask=bm)
+    with pytest.raises(ValueError, match="causal=True with block_mask"):
+        fgpu.attention(x, x, x, causal=True, block_mask=bm)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        fgpu.attention(*(cp.zeros((100, 64), cp.float32),) * 3, window=(5, 0))
+    with pytest.raises(ValueError, match="scale > 0"):
+        fgpu.attention(x, x, x, window=(5, 0), scale=-0.1)
+    assert fgpu.plan(x, x, x, window=(5, 0)).kernel == "sparse_window"
+    assert fgpu.plan(x, x, x, block_mask=bm).kernel == "sparse_blocks"
+
+
+def test_the_recorded_benchmark_holds_together():
+    """data/benchmarks/sparse.json (``python -m flashlab bench sparse`` on an H200): every timed row's density and
+    visible pairs are its pattern's (recomputed here), its TFLOP/s is 4 d pairs / time, it has >= 20 runs, every
+    (implementation, n, pattern) was timed under both protocols, and every output agreed with the window kernel's
+    (or, for dense causal, with the course's rung) before it was timed."""
+    from flashlab import records
+    from flashlab.bench import sparse
+
+    rec = records.read_record("benchmarks/sparse")
+    rows = [r for r in rec["rows"] if "error" not in r]
+    assert rec["provenance"]["kernel_sha256_sparse"] and rows
+    protocols: dict[tuple, set] = {}
+    for r in rows:
+        pattern = sparse.pattern_of(tuple(r["window"]), r["dilation"])
+        assert r["density"] == pattern.block_mask(r["n"], r["n"], *sparse.TILE).density, r
+        assert r["pairs"] == sparse.visible_pairs(pattern, r["n"], r["n"]), r
+        flop = 4 * r["d"] * r["pairs"] * r["batch"] * r["heads"]
+        assert r["tflops"] == pytest.approx(flop / (r["median_ms"] * 1e-3) / 1e12, rel=1e-3, abs=2e-3), r
+        assert r["repeat"] >= records.MIN_REPEAT
+        assert r["max_abs_diff"] <= 2e-3, r  # fp16 outputs of two summation orders: a few units of 2^-11
+        protocols.setdefault((r["impl"], r["n"], r["pattern"]), set()).add(r["protocol"])
+    assert all(p == set(records.PROTOCOLS) for p in protocols.values()), protocols
+    assert {n for _, n, _ in protocols} == {16384, 65536}
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the host emulation of the kernels needs g++")
+def test_the_gpu_tests_above_pass_under_the_host_emulation():
+    """The kernel itself, compiled for the CPU by tools/hostemu (real index arithmetic, barriers, shuffles and
+    fragment layouts; no timing, no race detection): every gpu-marked test of this file."""
+    res = subprocess.run([sys.executable, str(HOSTEMU), "--sparse"], capture_output=True, text=True, timeout=1800)
+    assert res.returncode == 0 and " passed" in res.stdout and "failed" not in res.stdout, (
+        res.stdout[-3000:] + res.stderr[-3000:])
