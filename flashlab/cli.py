@@ -16,7 +16,7 @@ COMMANDS = {
     "html": ("flashlab.site", "execute every chapter and write a static HTML course into build/"),
     "slides": ("flashlab.slides", "build offline reveal.js slides from the cells tagged 'slide' into build/slides"),
     "bench": ("flashlab.bench", "time a result and record it in data/: bench forward|backward|decode|memory|train|"
-              "host|cpu|tune|profile"),
+              "host|cpu|tune|profile|ring|sparse"),
     "selfcheck": ("flashlab.gpu.selfcheck", "every GPU kernel once at small ragged shapes against a reference: the "
                   "run to put under compute-sanitizer"),
     "mistakes": ("flashlab.mistakes", "every mistake the graders know, graded: mistakes [--seeds N] [--labs ...] "
