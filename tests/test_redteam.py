@@ -55,7 +55,9 @@ def test_the_run_completes_with_a_row_for_every_submission(run):
     huge = [name for name, row in graded.rows.items() if len(json.dumps(row)) > 1 << 20]
     assert not huge, f"rows over 1 MB (printed output must be capped): {huge}"
     for name, row in graded.rows.items():
-        assert row["lab"] == A.LAB and row["max_score"] > 0, f"{name}: an error row keeps its lab and maximum"
+        assert row["lab"] == A.LAB and row["max_score"] > 0, (f"{name}: an error row keeps its lab and maximum "
+                                                              f"(error: {row.get('error')}; stderr: "
+                                                              f"{graded.stderr[-3000:]})")
 
 
 def test_no_submission_is_changed(run):

@@ -76,6 +76,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 
 import numpy as np
@@ -120,6 +121,17 @@ def find_lab_id(nb: dict, path: pathlib.Path) -> str | None:
                 return match.group(1)
     match = _LAB_PREFIX.match(path.name)
     return match.group(1) if match else None
+
+
+def _lab_or_none(path: pathlib.Path, lab_id: str | None) -> str | None:
+    """The lab of ``path`` for an error row (None when it cannot be told): such a row still counts in its lab."""
+    if lab_id:
+        return lab_id
+    try:
+        found = find_lab_id(json.loads(path.read_bytes().decode("utf-8")), path)
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return None
+    return found if found in available_labs() else None
 
 
 def collect(paths: list[str]) -> list[pathlib.Path]:
@@ -639,8 +651,10 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 rows[i] = future.result()
             except Exception as e:  # a bug of ours must not lose the other submissions
-                rows[i] = {**_error_row(paths[i], f"grader error: {type(e).__name__}: {e}"), "seed": seed,
-                           "sandboxed": False}
+                traceback.print_exc()  # for whoever runs the grader: the bug, with where it happened
+                rows[i] = {**_error_row(paths[i], f"grader error: {type(e).__name__}: {e}", _lab_or_none(paths[i],
+                                                                                                   args.lab)),
+                           "seed": seed, "sandboxed": False}
             r = rows[i]
             status = "error" if r["error"] else f"{r['score']:g}/{r['max_score']:g}"
             elapsed = time.perf_counter() - start
