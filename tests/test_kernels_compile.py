@@ -2,7 +2,8 @@
 
 The architectures are flashlab.gpu.COMPILED_ARCHS: sm_75 (T4), sm_80 (A100), sm_86 (A10, RTX 30x0), sm_89
 (RTX 40x0, L4) and sm_90 (H100, H200). A forward rung is compiled for those at or above its ``min_cc``; chapter
-8's kernels, which need sm_80, for sm_80 and up; so are the tile variants the plan may choose
+8's kernel files for those at or above the ``min_cc`` of the kernels they hold (the scalar backward's file and
+both decoding files from sm_75, the tensor-core backward files from sm_80); so are the tile variants the plan may choose
 (``flashlab.gpu.PLANNED_VARIANTS``) and the block-sparse kernels (``flashlab.gpu.SPARSE_KERNELS``, spills in
 ``flashlab.gpu.SPARSE_SPILLS``). The resource usage of every kernel (registers, static shared memory, spills)
 is printed (``pytest -s``). Spills must be exactly those recorded in ``flashlab.gpu.SPILLS`` (which the plan reads),
@@ -24,7 +25,9 @@ ARCHS = fgpu.COMPILED_ARCHS
 NVCC = shutil.which("nvcc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc (CUDA toolkit) not installed")
 CH8_FILES = backward.KERNEL_FILES + decoding.KERNEL_FILES
-CH8_MIN_CC = max(decoding.MIN_CC, *(mk.min_cc for mk in backward.MAIN_KERNELS.values()))
+# Each chapter-8 file from the oldest architecture a kernel of it claims
+CH8_MIN_CC = {**{f: decoding.MIN_CC for f in decoding.KERNEL_FILES},
+              **{mk.file: mk.min_cc for mk in backward.MAIN_KERNELS.values()}}
 HALF = ("f16", "bf16")
 
 
@@ -33,7 +36,7 @@ def _jobs() -> list[tuple[str, tuple[str, ...], int]]:
     sparse = {(r.file, r.defines): r for r in fgpu.SPARSE_KERNELS.values()}  # one compilation per file and defines
     forward = [*fgpu.RUNGS.values(), *fgpu.PLANNED_VARIANTS.values(), *sparse.values()]
     jobs = [(r.file, r.defines, a) for r in forward for a in ARCHS if a >= r.min_cc]
-    return jobs + [(f, (), a) for f in CH8_FILES for a in ARCHS if a >= CH8_MIN_CC]
+    return jobs + [(f, (), a) for f in CH8_FILES for a in ARCHS if a >= CH8_MIN_CC[f]]
 
 
 def _compile(file: str, defines: tuple[str, ...], arch: int) -> dict[str, dict]:
@@ -127,15 +130,14 @@ def test_no_kernel_spills_where_the_plan_chooses_it(usage):
                             spec = fgpu.plan_for("forward", lim, dtype=dt, d=d, sparse=sparse,
                                                  positive_scale=positive_scale).spec
                             chosen.append((spec.file, spec.defines, f"attn_{sparse}_{dt}_d{d}"))
-        if lim.cc >= CH8_MIN_CC:
-            for d in fgpu.HEAD_DIMS:
-                mk = backward._backward_plan(d, "best", lim).spec
-                keys = decoding._decode_plan(d, "best", lim)
-                for dt in HALF:
-                    chosen += [(mk.file, (), f"{mk.stem}_{dt}_d{d}"), (backward.KERNEL_FILE, (), f"bwd_dot_{dt}_d{d}"),
-                               (backward.KERNEL_FILE, (), f"bwd_dq_{dt}"),
-                               (decoding.KERNEL_FILE, (), f"decode_merge_{dt}_d{d}")]
-                    chosen += [(keys.file, (), f"decode_keys_{dt}_d{d}_r{r}") for r in decoding.KEYS_ROWS]
+        for d in fgpu.HEAD_DIMS:
+            mk = backward._backward_plan(d, "best", lim).spec
+            keys = decoding._decode_plan(d, "best", lim)
+            for dt in HALF:
+                chosen += [(mk.file, (), f"{mk.stem}_{dt}_d{d}"), (backward.KERNEL_FILE, (), f"bwd_dot_{dt}_d{d}"),
+                           (backward.KERNEL_FILE, (), f"bwd_dq_{dt}"),
+                           (decoding.KERNEL_FILE, (), f"decode_merge_{dt}_d{d}")]
+                chosen += [(keys.file, (), f"decode_keys_{dt}_d{d}_r{r}") for r in decoding.KEYS_ROWS]
         for file, defines, function in chosen:
             k = usage[file, defines, arch][function]
             if _spilled(k):

@@ -59,7 +59,7 @@ class MainKernel:
     block_keys: int
     threads: int
     stages: int = 0
-    min_cc: int = 80  # every file also holds bf16 kernels (cvt.rn.bf16.f32, mma.sync m16n8k16: sm_80)
+    min_cc: int = 80  # mma.sync m16n8k16 and cp.async: sm_80 (the smem kernel's file builds for sm_75 too)
 
     def shared_bytes(self, d: int) -> int:
         """Dynamic shared memory: K, V and `stages` Q and dO tiles (rows padded to d + 8), dS^T, and `stages` L
@@ -71,7 +71,7 @@ class MainKernel:
 
 
 MAIN_KERNELS = {
-    "smem": MainKernel(KERNEL_FILE, "bwd_main", BLOCK_KEYS, THREADS),
+    "smem": MainKernel(KERNEL_FILE, "bwd_main", BLOCK_KEYS, THREADS, min_cc=75),
     "mma": MainKernel(MMA_FILE, "bwd_mma", 64, 128, stages=1),
     "pipe": MainKernel(PIPE_FILE, "bwd_pipe", 128, 256, stages=2),
 }
@@ -97,8 +97,8 @@ def _backward_plan(d: int, kernel: str, lim: DeviceLimits) -> Plan:
 def plan_backward(q, k, v, *, kernel: str = "best", bf16: bool = False) -> Plan:
     """The main kernel ``attention_backward`` launches on this GPU for these inputs, and why (see
     ``flashlab.gpu.plan``): "pipe" where a block may hold its shared memory (115,200 B at d = 128: sm_80 and
-    sm_90), else "mma" (57,600 B: the 99 KB of sm_86 and sm_89). A kernel that cannot run raises ValueError
-    naming the limit (sm_75 has none: these kernels need sm_80)."""
+    sm_90), else "mma" (57,600 B: the 99 KB of sm_86 and sm_89), else "smem" (sm_75: no tensor-core backward for
+    Turing; the scalar kernel runs there). A kernel that cannot run raises ValueError naming the limit."""
     dt = _check_inputs(q, k, v, bf16)
     if dt == "f32":
         raise TypeError("attention_backward takes float16 or (with bf16=True) bfloat16 bits in uint16; got float32")

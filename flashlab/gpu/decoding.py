@@ -57,7 +57,7 @@ MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs (launch share, merg
 BLOCKS_PER_SM = {"rows": 4, "keys": 8}  # default splits aim at this many blocks per SM (about two waves)
 FILES = {"keys": KEYS_FILE, "rows": KERNEL_FILE}
 THREADS = 128  # threads per block of both split kernels
-MIN_CC = 80  # both files hold bf16 kernels (cvt.rn.bf16.f32: sm_80); static shared memory only (< 48 KB)
+MIN_CC = 75  # plain CUDA (bf16 stored by hand below sm_80); static shared memory only (< 48 KB)
 
 
 @functools.lru_cache(maxsize=64)
@@ -73,8 +73,8 @@ def _decode_plan(d: int, kernel: str, lim: DeviceLimits) -> Plan:
 
 
 def plan_decode(q, k_cache, v_cache, *, kernel: str = "best", bf16: bool = False) -> Plan:
-    """The split kernel ``decode`` launches on this GPU, and why (see ``flashlab.gpu.plan``): "keys" on sm_80
-    and newer; on older GPUs a ValueError naming the compute capability."""
+    """The split kernel ``decode`` launches on this GPU, and why (see ``flashlab.gpu.plan``): "keys" on every
+    GPU from sm_75 up; older ones get a ValueError naming the compute capability."""
     dt = _check_inputs(q, k_cache, v_cache, bf16)
     if dt == "f32":
         raise TypeError("decode takes float16 or (with bf16=True) bfloat16 bits in uint16; got float32")

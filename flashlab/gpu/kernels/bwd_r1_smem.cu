@@ -54,9 +54,17 @@ struct F16 {
 struct BF16 {
     static __device__ __forceinline__ float load(u16 x) { return __uint_as_float((u32)x << 16); }
     static __device__ __forceinline__ u16 store(float f) {
+#if __CUDA_ARCH__ >= 800
         u16 h;
         asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
         return h;
+#else
+        // sm_75 has no bf16 conversion: round to nearest even by hand (a NaN stays a quiet NaN), so that the
+        // file's fp16 kernels also build for Turing
+        const u32 b = __float_as_uint(f);
+        if ((b & 0x7fffffffu) > 0x7f800000u) return (u16)((b >> 16) | 0x40u);
+        return (u16)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+#endif
     }
 };
 
