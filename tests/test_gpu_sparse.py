@@ -134,6 +134,128 @@ def test_benchmark_table_takes_time_per_tile_against_dense_causal():
     assert any("out of memory" in line for line in table)
 
 
+class _FakeTorch:
+    """Just enough of PyTorch for ``bench sparse``'s :class:`Flex` on a CPU, with torch.compile's rule for when a
+    call recompiles: a compiled function keeps one compilation per guard key, and the key holds each tensor's shape
+    and dtype (never its values), a function's code and its closure (tensors as tensors, other values as values), and
+    plain values as themselves. Under ``set_stance("fail_on_recompile")`` a new key for a function compiled before
+    raises. create_block_mask evaluates the mask_mod on index grids; flex_attention is masked float64 attention."""
+
+    class Tensor(np.ndarray):
+        def fill_(self, value):
+            self[...] = value
+            return self
+
+    def __init__(self, monkeypatch) -> None:
+        import contextlib
+        import sys
+        import types
+
+        self.compiled: dict[str, set] = {}
+        self.stance = "default"
+        fake = self
+
+        def zeros(shape, dtype=None, device=None):
+            return np.zeros(shape, dtype=dtype).view(fake.Tensor)
+
+        def compile(fn, dynamic=None):
+            def run(*args, **kwargs):
+                key = tuple(fake._guard(a) for a in (*args, *sorted(kwargs.items())))
+                seen = fake.compiled.setdefault(fn.__name__, set())
+                if key not in seen and seen and fake.stance == "fail_on_recompile":
+                    raise RuntimeError(f"recompiling {fn.__name__}")
+                seen.add(key)
+                return fn(*args, **kwargs)
+            return run
+
+        @contextlib.contextmanager
+        def set_stance(stance):
+            before, fake.stance = fake.stance, stance
+            try:
+                yield
+            finally:
+                fake.stance = before
+
+        def create_block_mask(mod, B, H, Q_LEN, KV_LEN, device="cuda"):
+            return fake.BlockMask(np.asarray(mod(0, 0, np.arange(Q_LEN)[:, None], np.arange(KV_LEN)[None, :]), bool),
+                                  mod)
+
+        def flex_attention(q, k, v, block_mask=None):
+            return reference.attention(q, k, v, mask=block_mask.dense)[0]
+
+        torch = types.ModuleType("torch")
+        torch.int32, torch.zeros, torch.compile = np.int32, zeros, compile
+        torch.no_grad = contextlib.nullcontext
+        torch.cuda = types.SimpleNamespace(synchronize=lambda: None)
+        torch.compiler = types.SimpleNamespace(set_stance=set_stance)
+        flex = types.ModuleType("torch.nn.attention.flex_attention")
+        flex.create_block_mask, flex.flex_attention = create_block_mask, flex_attention
+        for name, module in (("torch", torch), ("torch.nn", types.ModuleType("torch.nn")),
+                             ("torch.nn.attention", types.ModuleType("torch.nn.attention")),
+                             ("torch.nn.attention.flex_attention", flex)):
+            monkeypatch.setitem(sys.modules, name, module)
+
+    class BlockMask:
+        def __init__(self, dense, mask_mod) -> None:
+            self.dense, self.mask_mod = dense, mask_mod
+
+        def sparsity(self) -> float:
+            return 100.0 * (1 - self.dense.mean())
+
+    def _guard(self, x):
+        if isinstance(x, self.BlockMask):
+            return ("BlockMask", self._guard(x.dense), self._guard(x.mask_mod))
+        if isinstance(x, tuple):
+            return tuple(self._guard(a) for a in x)
+        if isinstance(x, np.ndarray):
+            return ("tensor", x.shape, x.dtype.str)
+        if callable(x) and hasattr(x, "__code__"):
+            return (x.__code__, tuple(self._guard(c.cell_contents) for c in (x.__closure__ or ())))
+        return x
+
+
+def test_flexattention_compiles_once_per_length_and_means_each_pattern(monkeypatch, rng):
+    """bench sparse's Flex: flex_attention and create_block_mask compiled once per n (torch.compile's guard rule,
+    emulated), then every window and dilation served by the same compilations, each block mask the pattern's own
+    mask, each output that of the pattern; a mask_mod with its window as numbers would recompile (and is refused)."""
+    from flashlab.bench import sparse
+
+    torch = _FakeTorch(monkeypatch)
+    flex = sparse.Flex()
+    args = sparse.parser().parse_args(["--windows", "3", "9", "--dilation", "4", "--dilated-window", "20",
+                                       "--impls", "flex"])
+    assert args.impls == ["flex"]
+    for n in (40, 70):
+        q, k, v = (rng.standard_normal((1, 1, n, 8)) for _ in range(3))
+        seconds = flex.compile(q, k, v)
+        assert set(seconds) == {"mask_compile_s", "compile_s"} and min(seconds.values()) >= 0
+        for label, window, dilation in [("causal", (None, 0), 1), *sparse.patterns(args)]:
+            pattern = sparse.pattern_of(window, dilation)
+            with flex.frozen():
+                bm = flex.mask(n, window, dilation)
+                out = flex(q, k, v, bm)
+            np.testing.assert_array_equal(bm.dense, pattern.mask(n, n), err_msg=label)
+            np.testing.assert_allclose(out, reference.attention(q, k, v, mask=pattern)[0], rtol=1e-12, atol=1e-12)
+    assert {name: len(keys) for name, keys in torch.compiled.items()} == {"create_block_mask": 2,
+                                                                          "flex_attention": 2}
+    with flex.frozen(), pytest.raises(RuntimeError, match="recompiling create_block_mask"):
+        flex.make_mask(sparse.mask_mod(5, 0, 1), None, None, 70, 70, device="cuda")
+
+
+def test_the_make_target_runs_the_recorded_command():
+    """`make bench-sparse` runs the command in data/benchmarks/sparse.json's provenance (its --out aside)."""
+    from flashlab import records
+
+    if shutil.which("make") is None:
+        pytest.skip("needs make")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    res = subprocess.run(["make", "-n", "-C", str(root), "bench-sparse"], capture_output=True, text=True, timeout=60)
+    made = [line.split("-m flashlab bench ", 1)[1] for line in res.stdout.splitlines() if "-m flashlab bench" in line]
+    recorded = records.read_record("benchmarks/sparse")["provenance"]["command"].split("-m flashlab bench ", 1)[1]
+    recorded = re.sub(r"\s--out\s+\S+", "", recorded)
+    assert made == [recorded]
+
+
 # ----------------------------------------------------------------------------------------------------- helpers
 def _naive_masked(q, k, v, mask, scale, dt):
     """Eager attention in dtype dt with an (n, m) mask: the same-precision baseline of the 2x rule."""
