@@ -20,6 +20,7 @@ import pytest
 
 import flashlab.gpu as fgpu
 from flashlab import blocksparse, reference
+from test_gpu_plan import gpu_like  # noqa: F401 - the simulated-GPU fixture
 
 HOSTEMU = pathlib.Path(__file__).resolve().parents[1] / "tools" / "hostemu" / "hostemu.py"
 HALF = ("f16", "bf16")
@@ -254,6 +255,50 @@ def test_the_make_target_runs_the_recorded_command():
     recorded = records.read_record("benchmarks/sparse")["provenance"]["command"].split("-m flashlab bench ", 1)[1]
     recorded = re.sub(r"\s--out\s+\S+", "", recorded)
     assert made == [recorded]
+
+
+def test_selfcheck_runs_each_sparse_kernel_this_gpu_runs_and_names_the_others(gpu_like, capsys):
+    """``python -m flashlab selfcheck sparse`` (what ``make sanitize`` runs the sparse kernels through) on simulated
+    GPUs whose launches are recorded, not run: on a T4 it launches nothing and says why for each kernel, dtype and d;
+    on an A100 it launches every kernel, dtype, d and case the plan allows there (the window kernel's 64-key tiles
+    spill at d = 128: skipped, named) and fails each of them, since a kernel that never ran left its poisoned
+    outputs unwritten."""
+    from flashlab.gpu import selfcheck
+
+    launches = gpu_like(fgpu.KNOWN_DEVICES["T4"])
+    assert selfcheck.main(["sparse"]) == 0 and not launches
+    out = capsys.readouterr().out
+    assert out.count("skipped: needs sm_80 or newer") == len(fgpu.SPARSE_KERNELS) * 2 * len(fgpu.HEAD_DIMS)
+
+    a100 = fgpu.KNOWN_DEVICES["A100"]
+    launches = gpu_like(a100)
+    expected = []
+    for name in fgpu.SPARSE_KERNELS:
+        blocks = name == "sparse_blocks"
+        cases = [c for c in selfcheck.SPARSE_CASES if (c[3] == "block_mask") == blocks]
+        assert len(cases) == 2
+        expected += [(fgpu.SPARSE_FILE, f"attn_{'blocks' if blocks else 'window'}_{dt}_d{d}")
+                     for dt in HALF for d in fgpu.HEAD_DIMS for _ in cases
+                     if fgpu.sparse_problem(name, dt, d, True, a100) is None]
+    with np.errstate(invalid="ignore"):
+        assert selfcheck.main(["sparse"]) == 1
+    out = capsys.readouterr().out
+    assert [(file, fn) for file, fn, _ in launches] == expected and len(expected) == 4 + 8 + 8
+    assert out.count(" FAIL") == len(expected) and f"selfcheck: {len(expected)} FAILED" in out
+    assert out.count("skipped: spills registers at d = 128 on sm_80") == 2
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the host emulation of the kernels needs g++")
+def test_selfcheck_sparse_passes_under_the_host_emulation():
+    """The sparse part of the selfcheck with the kernels run for real on a CPU (tools/hostemu): every kernel, both
+    dtypes, both d, every case, within its bound against float64."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import hostemu; hostemu.install(real_forward=True); "
+            "from flashlab.gpu import selfcheck; raise SystemExit(selfcheck.main(['sparse']))")
+    res = subprocess.run([sys.executable, "-c", code, str(HOSTEMU.parent)], capture_output=True, text=True,
+                         timeout=1800, cwd=HOSTEMU.parents[2])
+    lines = [line for line in res.stdout.splitlines() if line.startswith("sparse ")]
+    assert res.returncode == 0 and "selfcheck: all ok" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+    assert sum(line.endswith(" ok") for line in lines) == len(fgpu.SPARSE_KERNELS) * 2 * len(fgpu.HEAD_DIMS) * 2
 
 
 # ----------------------------------------------------------------------------------------------------- helpers
