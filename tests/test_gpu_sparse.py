@@ -17,10 +17,10 @@ import sys
 
 import numpy as np
 import pytest
+from test_gpu_plan import gpu_like  # noqa: F401 - the simulated-GPU fixture
 
 import flashlab.gpu as fgpu
 from flashlab import blocksparse, reference
-from test_gpu_plan import gpu_like  # noqa: F401 - the simulated-GPU fixture
 
 HOSTEMU = pathlib.Path(__file__).resolve().parents[1] / "tools" / "hostemu" / "hostemu.py"
 HALF = ("f16", "bf16")
@@ -257,7 +257,7 @@ def test_the_make_target_runs_the_recorded_command():
     assert made == [recorded]
 
 
-def test_selfcheck_runs_each_sparse_kernel_this_gpu_runs_and_names_the_others(gpu_like, capsys):
+def test_selfcheck_runs_each_sparse_kernel_this_gpu_runs_and_names_the_others(gpu_like, capsys):  # noqa: F811
     """``python -m flashlab selfcheck sparse`` (what ``make sanitize`` runs the sparse kernels through) on simulated
     GPUs whose launches are recorded, not run: on a T4 it launches nothing and says why for each kernel, dtype and d;
     on an A100 it launches every kernel, dtype, d and case the plan allows there (the window kernel's 64-key tiles
@@ -284,7 +284,7 @@ def test_selfcheck_runs_each_sparse_kernel_this_gpu_runs_and_names_the_others(gp
         assert selfcheck.main(["sparse"]) == 1
     out = capsys.readouterr().out
     assert [(file, fn) for file, fn, _ in launches] == expected and len(expected) == 4 + 8 + 8
-    assert out.count(" FAIL") == len(expected) and f"selfcheck: {len(expected)} FAILED" in out
+    assert out.count(" FAIL\n") == len(expected) and f"selfcheck: {len(expected)} FAILED" in out
     assert out.count("skipped: spills registers at d = 128 on sm_80") == 2
 
 
