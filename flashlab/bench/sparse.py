@@ -313,6 +313,41 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summary(rows: list[dict]) -> list[str]:
+    """One line per (protocol, n, implementation) of a record: its time per computed tile over dense causal's (the
+    range over the sliding windows, then the dilated pattern; 1.00 = time proportional to the computed tiles) and,
+    where FlexAttention was timed, its speed against FlexAttention with the same mask (range over the patterns)."""
+    ratios = per_tile_ratios(rows)
+    flex = {(records.protocol_of(r), r["n"], r["pattern"]): r["median_ms"] for r in rows
+            if "error" not in r and r["impl"] == "flex"}
+    timed = [r for r in rows if "error" not in r and r["impl"] in IMPLS]
+    lines = []
+    for protocol in records.PROTOCOLS:
+        for n in sorted({r["n"] for r in timed}):
+            for impl in IMPLS:
+                mine = [r for r in timed if r["impl"] == impl and r["n"] == n and records.protocol_of(r) == protocol]
+                per_tile = {r["dilation"] > 1: [] for r in mine}
+                for r in mine:
+                    if (impl, protocol, n, r["pattern"]) in ratios:
+                        per_tile[r["dilation"] > 1].append(ratios[(impl, protocol, n, r["pattern"])])
+                if not any(per_tile.values()):
+                    continue
+                parts = [f"{_span(v)} ({'dilated' if dilated else 'windows'})" for dilated, v in sorted(per_tile.items())
+                         if v]
+                line = f"{protocol:<10} n = {n:<6} {impl:<13} time per tile / dense causal's: {', '.join(parts)}"
+                speed = [flex[(protocol, n, r["pattern"])] / r["median_ms"] for r in mine
+                         if (protocol, n, r["pattern"]) in flex]
+                if speed and impl != "flex":
+                    line += f"; speed / FlexAttention's: {_span(speed)}"
+                lines.append(line)
+    return lines
+
+
+def _span(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.2f}" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}"
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line of this benchmark."""
     p = record_parser("sparse", __doc__.splitlines()[0], name="sparse", out=OUT_DIR, repeat=20, warmup=3)
