@@ -539,6 +539,67 @@ def test_the_recorded_benchmark_holds_together():
     assert {n for _, n, _ in protocols} == {16384, 65536}
 
 
+def _with_flex(record: dict, slower: float) -> dict:
+    """The record with FlexAttention rows added as a run with it would add them: every window kernel row and dense
+    causal row again as ``flex`` and ``flex_causal``, ``slower`` times the time."""
+    extra = [{**r, "impl": {"sparse_window": "flex", "causal": "flex_causal"}[r["impl"]],
+              "median_ms": r["median_ms"] * slower} for r in record["rows"]
+             if "error" not in r and r["impl"] in ("sparse_window", "causal")]
+    return {**record, "rows": record["rows"] + extra}
+
+
+def test_the_plot_shows_every_implementation_the_record_timed_flexattention_as_soon_as_it_is_there():
+    """viz.plot_sparse_times (chapter 3's figure of the record): a panel per protocol, one line per implementation
+    and n through its windows' (density, time), dense causal as a star, the line proportional to the computed tiles
+    through it, the record's GPU, date and command in the caption; FlexAttention's rows, once in the record, are
+    drawn and summarised with no change anywhere (bench.sparse.summary gives the speed against it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from flashlab import records, viz
+    from flashlab.bench import sparse
+
+    recorded = records.read_record("benchmarks/sparse")
+    for record, flex in ((recorded, False), (_with_flex(recorded, 1.25), True)):
+        rows = [r for r in record["rows"] if "error" not in r]
+        fig = viz.plot_sparse_times(record)
+        assert [ax.get_title() for ax in fig.axes] == [f"{p} protocol" for p in records.PROTOCOLS]
+        legend = [t.get_text() for t in fig.legends[0].get_texts()]
+        assert ("FlexAttention, same mask" in legend) == flex
+        caption = fig.texts[-1].get_text()
+        prov = record["provenance"]
+        assert prov["gpu"] in caption and prov["date_utc"][:10] in caption and prov["command"] in caption
+        for ax, protocol in zip(fig.axes, records.PROTOCOLS, strict=True):
+            drawn = {(tuple(line.get_xdata()), tuple(line.get_ydata())) for line in ax.get_lines()}
+            for impl in [i for i in viz.SPARSE_IMPLS if any(r["impl"] == i for r in rows)]:
+                for n in {r["n"] for r in rows}:
+                    windows = sorted((r for r in rows if r["impl"] == impl and r["n"] == n and r["dilation"] == 1
+                                      and records.protocol_of(r) == protocol), key=lambda r: r["density"])
+                    assert (tuple(r["density"] for r in windows), tuple(r["median_ms"] for r in windows)) in drawn
+            for c in (r for r in rows if r["impl"] == "causal" and records.protocol_of(r) == protocol):
+                assert ((c["density"],), (c["median_ms"],)) in drawn
+                proportional = [line for line in ax.get_lines() if line.get_linestyle() == "--"
+                                and line.get_xdata()[-1] == c["density"]]
+                assert len(proportional) == 1
+                x, y = proportional[0].get_data()
+                np.testing.assert_allclose(y / x, c["median_ms"] / c["density"])
+        plt.close(fig)
+        lines = sparse.summary(record["rows"])
+        assert len(lines) == len({(records.protocol_of(r), r["n"], r["impl"]) for r in rows
+                                  if r["impl"] in sparse.IMPLS})
+        against_flex = [line for line in lines if "speed / FlexAttention's" in line]
+        assert len(against_flex) == (len([line for line in lines if " flex " not in line]) if flex else 0)
+        if flex:  # the synthetic FlexAttention is 1.25 x the window kernel's time on every pattern
+            assert all(line.endswith("speed / FlexAttention's: 1.25") for line in against_flex
+                       if " sparse_window " in line)
+    only_errors = {**recorded, "rows": recorded["rows"] + [{**recorded["rows"][0], "impl": "flex", "error": "x"}]}
+    fig = viz.plot_sparse_times(only_errors)
+    assert fig.texts[-1].get_text().endswith("not timed in this record: flex")
+    plt.close(fig)
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the host emulation of the kernels needs g++")
 def test_the_gpu_tests_above_pass_under_the_host_emulation():
     """The kernel itself, compiled for the CPU by tools/hostemu (real index arithmetic, barriers, shuffles and

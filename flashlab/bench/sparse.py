@@ -332,8 +332,8 @@ def summary(rows: list[dict]) -> list[str]:
                         per_tile[r["dilation"] > 1].append(ratios[(impl, protocol, n, r["pattern"])])
                 if not any(per_tile.values()):
                     continue
-                parts = [f"{_span(v)} ({'dilated' if dilated else 'windows'})" for dilated, v in sorted(per_tile.items())
-                         if v]
+                parts = [f"{_span(v)} ({'dilated' if dilated else 'windows'})"
+                         for dilated, v in sorted(per_tile.items()) if v]
                 line = f"{protocol:<10} n = {n:<6} {impl:<13} time per tile / dense causal's: {', '.join(parts)}"
                 speed = [flex[(protocol, n, r["pattern"])] / r["median_ms"] for r in mine
                          if (protocol, n, r["pattern"]) in flex]
@@ -344,6 +344,7 @@ def summary(rows: list[dict]) -> list[str]:
 
 
 def _span(values: list[float]) -> str:
+    """A range of ratios to two decimals, one number when both ends print alike."""
     lo, hi = min(values), max(values)
     return f"{lo:.2f}" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}"
 
