@@ -88,6 +88,7 @@ def run(args: argparse.Namespace, rows: list[dict]) -> None:
     FlexAttention is set up once for the whole run, so that its compiled functions serve every n and pattern."""
     import cupy as cp
 
+    start = time.perf_counter()
     flex, why_not = _flex() if "flex" in args.impls else (None, None)
     rng = cp.random.default_rng(0)
     for n in args.n:
@@ -96,6 +97,10 @@ def run(args: argparse.Namespace, rows: list[dict]) -> None:
         _one_length(args, rows, q, k, v, flex, why_not)
         del q, k, v
         cp.get_default_memory_pool().free_all_blocks()
+    compiling = sum(r.get("mask_compile_s", 0) + r.get("compile_s", 0) for r in rows
+                    if r["impl"] == "flex_causal" and r.get("protocol", args.protocols[0]) == args.protocols[0])
+    print(f"  run: {time.perf_counter() - start:.0f} s in all, {compiling:.0f} s of it compiling FlexAttention",
+          flush=True)
 
 
 class Flex:
@@ -186,6 +191,7 @@ def _one_length(args, rows: list[dict], q, k, v, flex: Flex | None, why_not: str
             compiled = flex.compile(tq, tk, tv)
         except Exception as e:  # noqa: BLE001 - recorded; FlexAttention sits out this length
             why_not, flex = _why(e), None
+            print(f"  flex           n={n:<6} not compiled: {why_not[:100]}", flush=True)
         else:
             print(f"  flex           n={n:<6} compiled for this length: create_block_mask "
                   f"{compiled['mask_compile_s']:.1f} s, flex_attention {compiled['compile_s']:.1f} s "
