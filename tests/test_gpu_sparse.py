@@ -241,6 +241,9 @@ def test_flexattention_compiles_once_per_length_and_means_each_pattern(monkeypat
                                                                           "flex_attention": 2}
     with flex.frozen(), pytest.raises(RuntimeError, match="recompiling create_block_mask"):
         flex.make_mask(sparse.mask_mod(5, 0, 1), None, None, 70, 70, device="cuda")
+    args = sparse.parser().parse_args(["--impls", "flex", "--flex-allow-recompile"])
+    with sparse.Flex(args.flex_allow_recompile).frozen():  # asked to: a recompilation is let through
+        flex.make_mask(sparse.mask_mod(6, 0, 1), None, None, 70, 70, device="cuda")
 
 
 def test_the_make_target_runs_the_recorded_command():

@@ -11,7 +11,8 @@ tokens (``window=(w, 0)``: query i sees keys i - w .. i) and a dilated window (e
   same mask (``create_block_mask`` of a ``mask_mod`` meaning the same pairs), timed after its warm-up. Both are
   compiled once per n, before anything is timed, and serve every pattern (:class:`Flex`); the compile times are
   printed and kept in the ``flex_causal`` rows (``mask_compile_s``, ``compile_s``), each block mask's build time in
-  its row (``mask_s``), and a recompilation is an error in the row rather than minutes of the run;
+  its row (``mask_s``), and a recompilation is an error in the row rather than minutes of the run
+  (``--flex-allow-recompile`` lets it through);
 
 and, per n, dense causal attention by the course's own kernel (``causal``: ``attention(..., causal=True)``, the
 fastest rung) and by FlexAttention (``flex_causal``). Each output is checked once against ``sparse_window``'s (the
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace, rows: list[dict]) -> None:
     import cupy as cp
 
     start = time.perf_counter()
-    flex, why_not = _flex() if "flex" in args.impls else (None, None)
+    flex, why_not = _flex(args.flex_allow_recompile) if "flex" in args.impls else (None, None)
     rng = cp.random.default_rng(0)
     for n in args.n:
         shape = (args.batch, args.heads, n, args.d)
@@ -112,7 +113,7 @@ class Flex:
     compiled once per sequence length (static shapes, as for any fixed-length model): ``compile`` does it, timed,
     before anything is measured, and ``frozen`` turns any later recompilation into an error instead of minutes."""
 
-    def __init__(self) -> None:
+    def __init__(self, allow_recompile: bool = False) -> None:
         import torch
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -121,6 +122,7 @@ class Flex:
         self.make_mask = torch.compile(create_block_mask, dynamic=False)
         self.left, self.right, self.stride = (torch.zeros((), dtype=torch.int32, device="cuda") for _ in range(3))
         self.mod = mask_mod(self.left, self.right, self.stride)
+        self.allow_recompile = allow_recompile
 
     def mask(self, n: int, window: tuple[int | None, int | None], dilation: int):
         """The block mask (128 x 128 blocks) of ``pattern_of(window, dilation)`` for n = m tokens, built by the
@@ -152,15 +154,17 @@ class Flex:
 
     def frozen(self):
         """A context in which a recompilation raises (``torch.compiler.set_stance("fail_on_recompile")``, PyTorch
-        2.6 on) instead of costing minutes; where PyTorch lacks it, none."""
+        2.6 on) instead of costing minutes; none where PyTorch lacks it or ``allow_recompile`` was asked for."""
         stance = getattr(self.torch.compiler, "set_stance", None)
-        return stance("fail_on_recompile") if stance is not None else contextlib.nullcontext()
+        if stance is None or self.allow_recompile:
+            return contextlib.nullcontext()
+        return stance("fail_on_recompile")
 
 
-def _flex():
+def _flex(allow_recompile: bool = False):
     """A :class:`Flex`, or None and the reason why not."""
     try:
-        return Flex(), None
+        return Flex(allow_recompile), None
     except Exception as e:  # noqa: BLE001 - no PyTorch, no FlexAttention: recorded as such
         return None, _why(e)
 
@@ -368,6 +372,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS,
                    help="implementations of each pattern (dense causal is always timed)")
+    p.add_argument("--flex-allow-recompile", action="store_true",
+                   help="let FlexAttention recompile for a pattern instead of recording an error (minutes each)")
     add_protocols(p)
     return p
 
