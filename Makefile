@@ -9,7 +9,8 @@ DEV_STAMP := $(VENV)/.installed-dev-stamp
 PRESENT_STAMP := $(VENV)/.installed-present-stamp
 
 .PHONY: setup dev lab test test-gpu html slides present release grade lint clean \
-        bench-forward bench-backward bench-decode bench-memory bench-train bench-ring bench-cpu profile sanitize
+        bench-forward bench-backward bench-decode bench-memory bench-train bench-ring bench-sparse bench-cpu \
+        profile sanitize
 
 setup: $(STAMP)
 
@@ -94,6 +95,10 @@ bench-train: setup
 # Chapter 10's ring on two GPUs of one host (NCCL_DEBUG=INFO prints the transport NCCL chose).
 bench-ring: setup
 	NCCL_DEBUG=INFO $(BENCH) ring --n 131072 --heads 16 --repeat 20 --warmup 3
+
+# Block-sparse attention against its density, dense causal and FlexAttention with the same mask, in one run.
+bench-sparse: setup
+	$(BENCH) sparse --repeat 20 --warmup 3
 
 # Chapter 5's CPU run, at raised priority (as recorded; without the right to raise it, nice warns and runs anyway).
 CPU_RECORD ?= xeon-2core

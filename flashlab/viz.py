@@ -353,3 +353,84 @@ def plot_ring_work(works: dict[str, Sequence[float]], *, ylabel: str = "(query, 
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
     return ax.figure
+
+
+# The implementations of `python -m flashlab bench sparse`, with their dense causal row: (label, colour, dense impl).
+SPARSE_IMPLS = {"sparse_window": ("window kernel (window=)", "#1b9e77", "causal"),
+                "sparse_blocks": ("list kernel (block_mask=)", "#7570b3", "causal"),
+                "flex": ("FlexAttention, same mask", "#d95f02", "flex_causal")}
+
+
+def plot_sparse_times(record: dict, *, axes=None):
+    """Time against the density of computed tiles, one panel per timing protocol, from a record of ``python -m
+    flashlab bench sparse`` (``records.read_record("benchmarks/sparse")``).
+
+    Each implementation the record timed (``SPARSE_IMPLS``: FlexAttention too once the record has it) is a line over
+    the sliding windows per sequence length (marker per n) and an open marker for the dilated pattern; a star is
+    dense causal attention (the course's kernel in black, FlexAttention's in its colour), and the dashed line through
+    the black star is time proportional to the computed tiles. The caption names the GPU, the date and the command
+    of the record, and the implementations it holds only errors for. Log-log axes; x is the fraction of the
+    window kernel's 128 x 64 tiles computed (the same x for every implementation of a pattern).
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    from .records import PROTOCOLS, protocol_of
+
+    rows = [r for r in record["rows"] if "error" not in r]
+    protocols = [p for p in PROTOCOLS if any(protocol_of(r) == p for r in rows)]
+    if not protocols:
+        raise ValueError("the record holds no timed row")
+    if axes is None:
+        _, axes = plt.subplots(1, len(protocols), figsize=(5.2 * len(protocols), 4.6), constrained_layout=True,
+                               squeeze=False, sharey=True)
+        axes = axes[0]
+    if len(axes) != len(protocols):
+        raise ValueError(f"need one axes per protocol ({len(protocols)}); got {len(axes)}")
+    fig = axes[0].figure
+    ns = sorted({r["n"] for r in rows})
+    markers = dict(zip(ns, "osD^v", strict=False))
+    impls = [i for i in SPARSE_IMPLS if any(r["impl"] == i for r in rows)]
+    for ax, protocol in zip(axes, protocols, strict=True):
+        mine = [r for r in rows if protocol_of(r) == protocol]
+        for n in ns:
+            dense = {r["impl"]: r for r in mine if r["n"] == n and r["impl"] in ("causal", "flex_causal")}
+            for impl in impls:
+                label, colour, dense_impl = SPARSE_IMPLS[impl]
+                pts = [r for r in mine if r["n"] == n and r["impl"] == impl]
+                windows = sorted((r for r in pts if r["dilation"] == 1), key=lambda r: r["density"])
+                ax.plot([r["density"] for r in windows], [r["median_ms"] for r in windows], color=colour,
+                        marker=markers[n], ms=5, lw=1.2)
+                ax.plot([r["density"] for r in pts if r["dilation"] > 1],
+                        [r["median_ms"] for r in pts if r["dilation"] > 1], color=colour, marker=markers[n], ms=9,
+                        mfc="none", ls="none")
+                if dense_impl == "flex_causal" and "flex_causal" in dense:
+                    ax.plot(dense["flex_causal"]["density"], dense["flex_causal"]["median_ms"], marker="*", ms=13,
+                            color=colour, ls="none")
+            if "causal" in dense:
+                c = dense["causal"]
+                lo = min((r["density"] for r in mine if r["n"] == n), default=c["density"])
+                x = np.array([lo, c["density"]])
+                ax.plot(x, c["median_ms"] * x / c["density"], color="0.4", ls="--", lw=1)
+                ax.plot(c["density"], c["median_ms"], marker="*", ms=13, color="k", ls="none")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("computed tiles / all tiles (density)")
+        ax.set_title(f"{protocol} protocol", fontsize=10)
+        ax.grid(True, which="both", alpha=0.25)
+    axes[0].set_ylabel("time per call (ms)")
+    handles = [Line2D([], [], color=SPARSE_IMPLS[i][1], lw=1.2, label=SPARSE_IMPLS[i][0]) for i in impls]
+    handles += [Line2D([], [], color="0.3", marker=markers[n], ls="none", label=f"n = {n:,}") for n in ns]
+    handles += [Line2D([], [], color="0.3", marker="o", mfc="none", ms=9, ls="none", label="dilated pattern"),
+                Line2D([], [], color="k", marker="*", ms=12, ls="none", label="dense causal (course kernel)"),
+                Line2D([], [], color="0.4", ls="--", label="proportional to computed tiles")]
+    fig.legend(handles=handles, loc="outside right center", fontsize=8)
+    prov = record["provenance"]
+    shape = rows[0]
+    caption = (f"Recorded on {prov['gpu']}, {prov['date_utc'][:10]} (UTC): {prov['command']}\n"
+               f"{shape['dtype']}, d = {shape['d']}, {shape['heads']} heads, batch {shape['batch']}, self-attention")
+    missing = sorted({r["impl"] for r in record["rows"] if "error" in r} - {r["impl"] for r in rows})
+    if missing:
+        caption += f"; not timed in this record: {', '.join(missing)}"
+    fig.text(0.01, 0.0, caption, fontsize=7.5, va="top", ha="left", transform=fig.transFigure)
+    return fig

@@ -513,3 +513,64 @@ def test_lab06_answer_on_overflow_uses_float32s_limit():
     assert f"> {limit:.1f}" in answers and f"q·k above about {round(limit * math.sqrt(64))}" in answers
     released = ROOT / "labs" / lab06.name
     assert answers in text(next(c for c in cells(released) if text(c).startswith("## Check yourself")))
+
+
+# --- chapter 3, section 11: block-sparse attention on the learner's GPU, and the recorded run ------------------------
+
+CH3 = next((ROOT / "notebooks").glob("03_*.ipynb"))
+CH3_SETUP = ["ec358706", "4fd1731f"]  # the chapter's imports and rng; section 11's first cell (blocksparse, viz)
+
+
+def test_chapter3_runs_the_window_kernel_live_on_an_h100(learner_gpu):
+    launches = learner_gpu(H100)
+    ns: dict = {}
+    run_cells(CH3, CH3_SETUP, ns)
+    with np.errstate(all="ignore"):  # the launch is recorded, not run: o is left uninitialised
+        printed = run_cells(CH3, ["sparse-gpu-live"], ns)
+    assert launches == [(fgpu.SPARSE_FILE, "attn_window_f16_d64")]
+    assert printed.startswith("forward: 'sparse_window' (sparse_r9_window.cu") and "Not run live" not in printed
+    assert re.search(r"^window \(128, 0\): max \|o - reference\| = .* max \|lse - reference\| = ", printed, re.M)
+    assert ns["K"].shape[1] < ns["Q"].shape[1] and ns["n"] != ns["m"]  # grouped-query heads, a ragged shape
+
+
+def test_chapter3_says_why_a_t4_cannot_run_the_window_kernel(learner_gpu):
+    launches = learner_gpu(T4)
+    ns: dict = {}
+    run_cells(CH3, CH3_SETUP, ns)
+    printed = run_cells(CH3, ["sparse-gpu-live"], ns)
+    why = fgpu.cannot_run("forward", T4, d=64, sparse="window")
+    assert why and "needs sm_80 or newer" in why and "this GPU is sm_75" in why
+    assert printed.startswith(f"Not run live: {why}.") and not launches
+
+
+def test_chapter3_without_a_gpu_says_so_and_asks_the_package():
+    ns: dict = {}
+    run_cells(CH3, CH3_SETUP, ns)
+    assert run_cells(CH3, ["sparse-gpu-live"], ns).startswith("Not run live: there is no GPU here.")
+    code = [text(c) for c in cells(CH3) if c["cell_type"] == "code"]
+    assert not any("compute_capability" in c or "gpu_available()" in c for c in code)
+    assert "fgpu.cannot_run_here(" in text(cell_by_id(CH3, "sparse-gpu-live"))
+
+
+def test_chapter3_plots_and_summarises_the_recorded_sparse_run_with_its_provenance():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from flashlab.bench import sparse
+
+    ns: dict = {}
+    run_cells(CH3, CH3_SETUP, ns)
+    printed = run_cells(CH3, ["sparse-gpu-measured", "sparse-gpu-ratios"], ns)
+    name = RECORD_READ.search(text(cell_by_id(CH3, "sparse-gpu-measured")))[1]
+    record = records.read_record(name)
+    prov = record["provenance"]
+    assert printed.startswith(f"Recorded on {prov['gpu']} ({prov['date_utc'][:10]}) by: {prov['command']}\n")
+    assert printed.splitlines()[1:] == sparse.summary(record["rows"])
+    fig = plt.gcf()
+    assert [ax.get_title() for ax in fig.axes] == [f"{p} protocol" for p in records.PROTOCOLS]
+    plt.close(fig)
+    shown = text(cell_by_id(CH3, "sparse-gpu-measured-text"))
+    assert "protocol" in shown and "(ms)" in shown and "throughput" in shown and "latency" in shown
+    assert "slide" in cell_by_id(CH3, "sparse-gpu-measured-text")["metadata"]["tags"]

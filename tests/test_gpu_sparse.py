@@ -17,6 +17,7 @@ import sys
 
 import numpy as np
 import pytest
+from test_gpu_plan import gpu_like  # noqa: F401 - the simulated-GPU fixture
 
 import flashlab.gpu as fgpu
 from flashlab import blocksparse, reference
@@ -132,6 +133,175 @@ def test_benchmark_table_takes_time_per_tile_against_dense_causal():
     window_row = next(line for line in table if line.startswith("sparse_window"))
     assert window_row.split()[-2:] == ["1.20", "1.25"]  # per tile vs dense causal, speed vs flex (0.75 / 0.6)
     assert any("out of memory" in line for line in table)
+
+
+class _FakeTorch:
+    """Just enough of PyTorch for ``bench sparse``'s :class:`Flex` on a CPU, with torch.compile's rule for when a
+    call recompiles: a compiled function keeps one compilation per guard key, and the key holds each tensor's shape
+    and dtype (never its values), a function's code and its closure (tensors as tensors, other values as values), and
+    plain values as themselves. Under ``set_stance("fail_on_recompile")`` a new key for a function compiled before
+    raises. create_block_mask evaluates the mask_mod on index grids; flex_attention is masked float64 attention."""
+
+    class Tensor(np.ndarray):
+        def fill_(self, value):
+            self[...] = value
+            return self
+
+    def __init__(self, monkeypatch) -> None:
+        import contextlib
+        import sys
+        import types
+
+        self.compiled: dict[str, set] = {}
+        self.stance = "default"
+        fake = self
+
+        def zeros(shape, dtype=None, device=None):
+            return np.zeros(shape, dtype=dtype).view(fake.Tensor)
+
+        def compile(fn, dynamic=None):
+            def run(*args, **kwargs):
+                key = tuple(fake._guard(a) for a in (*args, *sorted(kwargs.items())))
+                seen = fake.compiled.setdefault(fn.__name__, set())
+                if key not in seen and seen and fake.stance == "fail_on_recompile":
+                    raise RuntimeError(f"recompiling {fn.__name__}")
+                seen.add(key)
+                return fn(*args, **kwargs)
+            return run
+
+        @contextlib.contextmanager
+        def set_stance(stance):
+            before, fake.stance = fake.stance, stance
+            try:
+                yield
+            finally:
+                fake.stance = before
+
+        def create_block_mask(mod, B, H, Q_LEN, KV_LEN, device="cuda"):
+            return fake.BlockMask(np.asarray(mod(0, 0, np.arange(Q_LEN)[:, None], np.arange(KV_LEN)[None, :]), bool),
+                                  mod)
+
+        def flex_attention(q, k, v, block_mask=None):
+            return reference.attention(q, k, v, mask=block_mask.dense)[0]
+
+        torch = types.ModuleType("torch")
+        torch.int32, torch.zeros, torch.compile = np.int32, zeros, compile
+        torch.no_grad = contextlib.nullcontext
+        torch.cuda = types.SimpleNamespace(synchronize=lambda: None)
+        torch.compiler = types.SimpleNamespace(set_stance=set_stance)
+        flex = types.ModuleType("torch.nn.attention.flex_attention")
+        flex.create_block_mask, flex.flex_attention = create_block_mask, flex_attention
+        for name, module in (("torch", torch), ("torch.nn", types.ModuleType("torch.nn")),
+                             ("torch.nn.attention", types.ModuleType("torch.nn.attention")),
+                             ("torch.nn.attention.flex_attention", flex)):
+            monkeypatch.setitem(sys.modules, name, module)
+
+    class BlockMask:
+        def __init__(self, dense, mask_mod) -> None:
+            self.dense, self.mask_mod = dense, mask_mod
+
+        def sparsity(self) -> float:
+            return 100.0 * (1 - self.dense.mean())
+
+    def _guard(self, x):
+        if isinstance(x, self.BlockMask):
+            return ("BlockMask", self._guard(x.dense), self._guard(x.mask_mod))
+        if isinstance(x, tuple):
+            return tuple(self._guard(a) for a in x)
+        if isinstance(x, np.ndarray):
+            return ("tensor", x.shape, x.dtype.str)
+        if callable(x) and hasattr(x, "__code__"):
+            return (x.__code__, tuple(self._guard(c.cell_contents) for c in (x.__closure__ or ())))
+        return x
+
+
+def test_flexattention_compiles_once_per_length_and_means_each_pattern(monkeypatch, rng):
+    """bench sparse's Flex: flex_attention and create_block_mask compiled once per n (torch.compile's guard rule,
+    emulated), then every window and dilation served by the same compilations, each block mask the pattern's own
+    mask, each output that of the pattern; a mask_mod with its window as numbers would recompile (and is refused)."""
+    from flashlab.bench import sparse
+
+    torch = _FakeTorch(monkeypatch)
+    flex = sparse.Flex()
+    args = sparse.parser().parse_args(["--windows", "3", "9", "--dilation", "4", "--dilated-window", "20",
+                                       "--impls", "flex"])
+    assert args.impls == ["flex"]
+    for n in (40, 70):
+        q, k, v = (rng.standard_normal((1, 1, n, 8)) for _ in range(3))
+        seconds = flex.compile(q, k, v)
+        assert set(seconds) == {"mask_compile_s", "compile_s"} and min(seconds.values()) >= 0
+        for label, window, dilation in [("causal", (None, 0), 1), *sparse.patterns(args)]:
+            pattern = sparse.pattern_of(window, dilation)
+            with flex.frozen():
+                bm = flex.mask(n, window, dilation)
+                out = flex(q, k, v, bm)
+            np.testing.assert_array_equal(bm.dense, pattern.mask(n, n), err_msg=label)
+            np.testing.assert_allclose(out, reference.attention(q, k, v, mask=pattern)[0], rtol=1e-12, atol=1e-12)
+    assert {name: len(keys) for name, keys in torch.compiled.items()} == {"create_block_mask": 2,
+                                                                          "flex_attention": 2}
+    with flex.frozen(), pytest.raises(RuntimeError, match="recompiling create_block_mask"):
+        flex.make_mask(sparse.mask_mod(5, 0, 1), None, None, 70, 70, device="cuda")
+    args = sparse.parser().parse_args(["--impls", "flex", "--flex-allow-recompile"])
+    with sparse.Flex(args.flex_allow_recompile).frozen():  # asked to: a recompilation is let through
+        flex.make_mask(sparse.mask_mod(6, 0, 1), None, None, 70, 70, device="cuda")
+
+
+def test_the_make_target_runs_the_recorded_command():
+    """`make bench-sparse` runs the command in data/benchmarks/sparse.json's provenance (its --out aside)."""
+    from flashlab import records
+
+    if shutil.which("make") is None:
+        pytest.skip("needs make")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    res = subprocess.run(["make", "-n", "-C", str(root), "bench-sparse"], capture_output=True, text=True, timeout=60)
+    made = [line.split("-m flashlab bench ", 1)[1] for line in res.stdout.splitlines() if "-m flashlab bench" in line]
+    recorded = records.read_record("benchmarks/sparse")["provenance"]["command"].split("-m flashlab bench ", 1)[1]
+    recorded = re.sub(r"\s--out\s+\S+", "", recorded)
+    assert made == [recorded]
+
+
+def test_selfcheck_runs_each_sparse_kernel_this_gpu_runs_and_names_the_others(gpu_like, capsys):  # noqa: F811
+    """``python -m flashlab selfcheck sparse`` (what ``make sanitize`` runs the sparse kernels through) on simulated
+    GPUs whose launches are recorded, not run: on a T4 it launches nothing and says why for each kernel, dtype and d;
+    on an A100 it launches every kernel, dtype, d and case the plan allows there (the window kernel's 64-key tiles
+    spill at d = 128: skipped, named) and fails each of them, since a kernel that never ran left its poisoned
+    outputs unwritten."""
+    from flashlab.gpu import selfcheck
+
+    launches = gpu_like(fgpu.KNOWN_DEVICES["T4"])
+    assert selfcheck.main(["sparse"]) == 0 and not launches
+    out = capsys.readouterr().out
+    assert out.count("skipped: needs sm_80 or newer") == len(fgpu.SPARSE_KERNELS) * 2 * len(fgpu.HEAD_DIMS)
+
+    a100 = fgpu.KNOWN_DEVICES["A100"]
+    launches = gpu_like(a100)
+    expected = []
+    for name in fgpu.SPARSE_KERNELS:
+        blocks = name == "sparse_blocks"
+        cases = [c for c in selfcheck.SPARSE_CASES if (c[3] == "block_mask") == blocks]
+        assert len(cases) == 2
+        expected += [(fgpu.SPARSE_FILE, f"attn_{'blocks' if blocks else 'window'}_{dt}_d{d}")
+                     for dt in HALF for d in fgpu.HEAD_DIMS for _ in cases
+                     if fgpu.sparse_problem(name, dt, d, True, a100) is None]
+    with np.errstate(invalid="ignore"):
+        assert selfcheck.main(["sparse"]) == 1
+    out = capsys.readouterr().out
+    assert [(file, fn) for file, fn, _ in launches] == expected and len(expected) == 4 + 8 + 8
+    assert out.count(" FAIL\n") == len(expected) and f"selfcheck: {len(expected)} FAILED" in out
+    assert out.count("skipped: spills registers at d = 128 on sm_80") == 2
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the host emulation of the kernels needs g++")
+def test_selfcheck_sparse_passes_under_the_host_emulation():
+    """The sparse part of the selfcheck with the kernels run for real on a CPU (tools/hostemu): every kernel, both
+    dtypes, both d, every case, within its bound against float64."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import hostemu; hostemu.install(real_forward=True); "
+            "from flashlab.gpu import selfcheck; raise SystemExit(selfcheck.main(['sparse']))")
+    res = subprocess.run([sys.executable, "-c", code, str(HOSTEMU.parent)], capture_output=True, text=True,
+                         timeout=1800, cwd=HOSTEMU.parents[2])
+    lines = [line for line in res.stdout.splitlines() if line.startswith("sparse ")]
+    assert res.returncode == 0 and "selfcheck: all ok" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+    assert sum(line.endswith(" ok") for line in lines) == len(fgpu.SPARSE_KERNELS) * 2 * len(fgpu.HEAD_DIMS) * 2
 
 
 # ----------------------------------------------------------------------------------------------------- helpers
@@ -370,6 +540,67 @@ def test_the_recorded_benchmark_holds_together():
         protocols.setdefault((r["impl"], r["n"], r["pattern"]), set()).add(r["protocol"])
     assert all(p == set(records.PROTOCOLS) for p in protocols.values()), protocols
     assert {n for _, n, _ in protocols} == {16384, 65536}
+
+
+def _with_flex(record: dict, slower: float) -> dict:
+    """The record with FlexAttention rows added as a run with it would add them: every window kernel row and dense
+    causal row again as ``flex`` and ``flex_causal``, ``slower`` times the time."""
+    extra = [{**r, "impl": {"sparse_window": "flex", "causal": "flex_causal"}[r["impl"]],
+              "median_ms": r["median_ms"] * slower} for r in record["rows"]
+             if "error" not in r and r["impl"] in ("sparse_window", "causal")]
+    return {**record, "rows": record["rows"] + extra}
+
+
+def test_the_plot_shows_every_implementation_the_record_timed_flexattention_as_soon_as_it_is_there():
+    """viz.plot_sparse_times (chapter 3's figure of the record): a panel per protocol, one line per implementation
+    and n through its windows' (density, time), dense causal as a star, the line proportional to the computed tiles
+    through it, the record's GPU, date and command in the caption; FlexAttention's rows, once in the record, are
+    drawn and summarised with no change anywhere (bench.sparse.summary gives the speed against it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from flashlab import records, viz
+    from flashlab.bench import sparse
+
+    recorded = records.read_record("benchmarks/sparse")
+    for record, flex in ((recorded, False), (_with_flex(recorded, 1.25), True)):
+        rows = [r for r in record["rows"] if "error" not in r]
+        fig = viz.plot_sparse_times(record)
+        assert [ax.get_title() for ax in fig.axes] == [f"{p} protocol" for p in records.PROTOCOLS]
+        legend = [t.get_text() for t in fig.legends[0].get_texts()]
+        assert ("FlexAttention, same mask" in legend) == flex
+        caption = fig.texts[-1].get_text()
+        prov = record["provenance"]
+        assert prov["gpu"] in caption and prov["date_utc"][:10] in caption and prov["command"] in caption
+        for ax, protocol in zip(fig.axes, records.PROTOCOLS, strict=True):
+            drawn = {(tuple(line.get_xdata()), tuple(line.get_ydata())) for line in ax.get_lines()}
+            for impl in [i for i in viz.SPARSE_IMPLS if any(r["impl"] == i for r in rows)]:
+                for n in {r["n"] for r in rows}:
+                    windows = sorted((r for r in rows if r["impl"] == impl and r["n"] == n and r["dilation"] == 1
+                                      and records.protocol_of(r) == protocol), key=lambda r: r["density"])
+                    assert (tuple(r["density"] for r in windows), tuple(r["median_ms"] for r in windows)) in drawn
+            for c in (r for r in rows if r["impl"] == "causal" and records.protocol_of(r) == protocol):
+                assert ((c["density"],), (c["median_ms"],)) in drawn
+                proportional = [line for line in ax.get_lines() if line.get_linestyle() == "--"
+                                and line.get_xdata()[-1] == c["density"]]
+                assert len(proportional) == 1
+                x, y = proportional[0].get_data()
+                np.testing.assert_allclose(y / x, c["median_ms"] / c["density"])
+        plt.close(fig)
+        lines = sparse.summary(record["rows"])
+        assert len(lines) == len({(records.protocol_of(r), r["n"], r["impl"]) for r in rows
+                                  if r["impl"] in sparse.IMPLS})
+        against_flex = [line for line in lines if "speed / FlexAttention's" in line]
+        assert len(against_flex) == (len([line for line in lines if " flex " not in line]) if flex else 0)
+        if flex:  # the synthetic FlexAttention is 1.25 x the window kernel's time on every pattern
+            assert all(line.endswith("speed / FlexAttention's: 1.25") for line in against_flex
+                       if " sparse_window " in line)
+    only_errors = {**recorded, "rows": recorded["rows"] + [{**recorded["rows"][0], "impl": "flex", "error": "x"}]}
+    fig = viz.plot_sparse_times(only_errors)
+    assert fig.texts[-1].get_text().endswith("not timed in this record: flex")
+    plt.close(fig)
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the host emulation of the kernels needs g++")

@@ -8,7 +8,11 @@ tokens (``window=(w, 0)``: query i sees keys i - w .. i) and a dilated window (e
 * ``sparse_blocks``: the same pattern as a block mask (``blocksparse`` pattern -> ``sparse_layout``, made once
   before the clock), the kernel that takes any pattern;
 * ``flex``: PyTorch's FlexAttention (``torch.nn.attention.flex_attention``, compiled with ``torch.compile``) with the
-  same mask (``create_block_mask`` of a ``mask_mod`` meaning the same pairs), timed after its warm-up;
+  same mask (``create_block_mask`` of a ``mask_mod`` meaning the same pairs), timed after its warm-up. Both are
+  compiled once per n, before anything is timed, and serve every pattern (:class:`Flex`); the compile times are
+  printed and kept in the ``flex_causal`` rows (``mask_compile_s``, ``compile_s``), each block mask's build time in
+  its row (``mask_s``), and a recompilation is an error in the row rather than minutes of the run
+  (``--flex-allow-recompile`` lets it through);
 
 and, per n, dense causal attention by the course's own kernel (``causal``: ``attention(..., causal=True)``, the
 fastest rung) and by FlexAttention (``flex_causal``). Each output is checked once against ``sparse_window``'s (the
@@ -21,7 +25,9 @@ tile relative to dense causal (1.00 = time proportional to the computed tiles) a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import time
 
 import numpy as np
 
@@ -79,60 +85,101 @@ def patterns(args: argparse.Namespace) -> list[tuple[str, tuple[int | None, int 
 
 
 def run(args: argparse.Namespace, rows: list[dict]) -> None:
-    """Every n of ``args.n``: dense causal first (ours, FlexAttention), then every pattern, every implementation."""
+    """Every n of ``args.n``: dense causal first (ours, FlexAttention), then every pattern, every implementation.
+    FlexAttention is set up once for the whole run, so that its compiled functions serve every n and pattern."""
     import cupy as cp
 
+    start = time.perf_counter()
+    flex, why_not = _flex(args.flex_allow_recompile) if "flex" in args.impls else (None, None)
     rng = cp.random.default_rng(0)
     for n in args.n:
         shape = (args.batch, args.heads, n, args.d)
         q, k, v = (rng.standard_normal(shape, dtype=cp.float32).astype(cp.float16) for _ in range(3))
-        _one_length(args, rows, q, k, v)
+        _one_length(args, rows, q, k, v, flex, why_not)
         del q, k, v
         cp.get_default_memory_pool().free_all_blocks()
+    compiling = sum(r.get("mask_compile_s", 0) + r.get("compile_s", 0) for r in rows
+                    if r["impl"] == "flex_causal" and r.get("protocol", args.protocols[0]) == args.protocols[0])
+    print(f"  run: {time.perf_counter() - start:.0f} s in all, {compiling:.0f} s of it compiling FlexAttention",
+          flush=True)
 
 
 class Flex:
-    """FlexAttention compiled (it needs torch.compile to run fused), with one ``mask_mod`` for every pattern: its
-    window and stride live in three 0-d tensors that ``set`` overwrites, so that torch.compile builds one kernel
-    per sequence length rather than one per pattern (a new mask_mod, or a new number in one, recompiles)."""
+    """FlexAttention as its users run it, compiled (``torch.compile``; uncompiled it materialises the scores), with
+    one ``mask_mod`` for every pattern. The window and the stride live in three 0-d tensors that ``mask`` overwrites:
+    torch.compile guards on a number's value but only on a tensor's shape and dtype, so a new window would recompile
+    and a new tensor value does not. Both compiled functions, ``flex_attention`` and ``create_block_mask`` (compiled,
+    it never holds the n x n mask: 4 GB of booleans and 34 GB per int64 index grid at n = 65536), are made once and
+    compiled once per sequence length (static shapes, as for any fixed-length model): ``compile`` does it, timed,
+    before anything is measured, and ``frozen`` turns any later recompilation into an error instead of minutes."""
 
-    def __init__(self) -> None:
+    def __init__(self, allow_recompile: bool = False) -> None:
         import torch
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        self.torch, self.create_block_mask = torch, create_block_mask
-        self.flex_attention = torch.compile(flex_attention, dynamic=False)
+        self.torch = torch
+        self.attend = torch.compile(flex_attention, dynamic=False)
+        self.make_mask = torch.compile(create_block_mask, dynamic=False)
         self.left, self.right, self.stride = (torch.zeros((), dtype=torch.int32, device="cuda") for _ in range(3))
         self.mod = mask_mod(self.left, self.right, self.stride)
+        self.allow_recompile = allow_recompile
 
-    def set(self, n: int, window: tuple[int | None, int | None], dilation: int):
-        """Point the mask_mod at ``pattern_of(window, dilation)`` for n = m tokens; returns its block mask (128 x 128
-        blocks, built before the clock, without materialising the n x n mask)."""
+    def mask(self, n: int, window: tuple[int | None, int | None], dilation: int):
+        """The block mask (128 x 128 blocks) of ``pattern_of(window, dilation)`` for n = m tokens, built by the
+        compiled ``create_block_mask`` with the one mask_mod pointed at this pattern."""
         self.left.fill_(n if window[0] is None else window[0])
         self.right.fill_(n if window[1] is None else window[1])
         self.stride.fill_(dilation)
-        import inspect
+        with self.torch.no_grad():
+            return self.make_mask(self.mod, None, None, n, n, device="cuda")
 
-        # _compile: build it with a compiled kernel instead of the n x n mask (17 GB at n = 64k) where offered
-        fast = {"_compile": True} if "_compile" in inspect.signature(self.create_block_mask).parameters else {}
-        return self.create_block_mask(self.mod, None, None, n, n, device="cuda", **fast)
+    def __call__(self, q, k, v, block_mask):
+        """The compiled flex_attention (without autograd: a forward benchmark, and grad mode is part of its guards)."""
+        with self.torch.no_grad():
+            return self.attend(q, k, v, block_mask=block_mask)
+
+    def compile(self, q, k, v) -> dict[str, float]:
+        """Compile both functions for q's length: build the dense causal block mask and run flex_attention once,
+        each timed to its end (seconds; what a first call costs, compilation included)."""
+        sync = self.torch.cuda.synchronize
+        sync()
+        t0 = time.perf_counter()
+        bm = self.mask(q.shape[-2], (None, 0), 1)
+        sync()
+        t1 = time.perf_counter()
+        self(q, k, v, bm)
+        sync()
+        t2 = time.perf_counter()
+        return {"mask_compile_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2)}
+
+    def frozen(self):
+        """A context in which a recompilation raises (``torch.compiler.set_stance("fail_on_recompile")``, PyTorch
+        2.6 on) instead of costing minutes; none where PyTorch lacks it or ``allow_recompile`` was asked for."""
+        stance = getattr(self.torch.compiler, "set_stance", None)
+        if stance is None or self.allow_recompile:
+            return contextlib.nullcontext()
+        return stance("fail_on_recompile")
 
 
-def _flex():
+def _flex(allow_recompile: bool = False):
     """A :class:`Flex`, or None and the reason why not."""
     try:
-        return Flex(), None
+        return Flex(allow_recompile), None
     except Exception as e:  # noqa: BLE001 - no PyTorch, no FlexAttention: recorded as such
-        return None, f"{type(e).__name__}: {str(e)[:200]}"
+        return None, _why(e)
 
 
-def _one_length(args, rows: list[dict], q, k, v) -> None:
+def _why(e: Exception) -> str:
+    """An exception as a row's error: its type and the start of its message."""
+    return f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def _one_length(args, rows: list[dict], q, k, v, flex: Flex | None, why_not: str | None) -> None:
     import cupy as cp
 
     import flashlab.gpu as fgpu
 
     B, H, n, d = q.shape
-    flex, why_not = _flex() if "flex" in args.impls else (None, None)
     o = cp.empty_like(q)
     lse = cp.empty(q.shape[:-1], dtype=cp.float32)
     base = {"pass": "forward", "dtype": "float16", "d": d, "n": n, "batch": B, "heads": H}
@@ -144,9 +191,18 @@ def _one_length(args, rows: list[dict], q, k, v) -> None:
           "cupy", lambda: fgpu.attention(q, k, v, causal=True)[0], ref, "causal")
     if flex is not None:
         tq, tk, tv = (flex.torch.from_dlpack(x) for x in (q, k, v))
-        _time_flex(args, rows, {**base, **dense, "impl": "flex_causal"}, flex, (None, 0), 1, tq, tk, tv, ref,
-                   "causal")
-    elif why_not:
+        try:
+            compiled = flex.compile(tq, tk, tv)
+        except Exception as e:  # noqa: BLE001 - recorded; FlexAttention sits out this length
+            why_not, flex = _why(e), None
+            print(f"  flex           n={n:<6} not compiled: {why_not[:100]}", flush=True)
+        else:
+            print(f"  flex           n={n:<6} compiled for this length: create_block_mask "
+                  f"{compiled['mask_compile_s']:.1f} s, flex_attention {compiled['compile_s']:.1f} s "
+                  "(first calls, not in any timing)", flush=True)
+            _time_flex(args, rows, {**base, **dense, "impl": "flex_causal", **compiled}, flex, (None, 0), 1,
+                       tq, tk, tv, ref, "causal")
+    if flex is None and why_not:
         rows.append({**base, **dense, "impl": "flex_causal", "error": why_not})
     del ref
     for label, window, dilation in patterns(args):
@@ -165,7 +221,7 @@ def _one_length(args, rows: list[dict], q, k, v) -> None:
             try:
                 layout = fgpu.sparse_layout(pattern.block_mask(n, n, *fgpu.sparse_block(d)))
             except Exception as e:  # noqa: BLE001 - e.g. out of memory: recorded, the table goes on
-                rows.append({**base, **info, "impl": "sparse_blocks", "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                rows.append({**base, **info, "impl": "sparse_blocks", "error": _why(e)})
             else:
                 _time(args, rows, {**base, **info, "impl": "sparse_blocks", "layout_bytes": layout.nbytes},
                       lambda layout=layout: fgpu.attention(q, k, v, block_mask=layout, out=(o, lse)), "cupy",
@@ -181,20 +237,26 @@ def _one_length(args, rows: list[dict], q, k, v) -> None:
 
 
 def _time_flex(args, rows, base, flex: Flex, window, dilation, tq, tk, tv, ref, ref_name) -> None:
-    """FlexAttention with the same pattern (its own block mask of 128 x 128 blocks, built before the clock)."""
+    """FlexAttention with the same pattern: its block mask (128 x 128 blocks) built before the clock, by the
+    function compiled for this length (``mask_s``: how long it took), and no recompilation allowed."""
     import cupy as cp
 
-    try:
-        bm = flex.set(tq.shape[-2], window, dilation)
-        base = {**base, "flex_density": round(1 - float(bm.sparsity()) / 100, 6)}
-    except Exception as e:  # noqa: BLE001 - recorded, the table goes on
-        rows.append({**base, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-        return
+    with flex.frozen():
+        try:
+            t0 = time.perf_counter()
+            bm = flex.mask(tq.shape[-2], window, dilation)
+            flex.torch.cuda.synchronize()
+            base = {**base, "flex_density": round(1 - float(bm.sparsity()) / 100, 6),
+                    "mask_s": round(time.perf_counter() - t0, 4)}
+        except Exception as e:  # noqa: BLE001 - recorded, the table goes on
+            rows.append({**base, "error": _why(e)})
+            print(f"  {base['impl']:<14} {base['pattern']:<28} {rows[-1]['error'][:100]}", flush=True)
+            return
 
-    def call():
-        return flex.flex_attention(tq, tk, tv, block_mask=bm)
+        def call():
+            return flex(tq, tk, tv, bm)
 
-    _time(args, rows, base, call, "torch", lambda: cp.from_dlpack(call().contiguous()), ref, ref_name)
+        _time(args, rows, base, call, "torch", lambda: cp.from_dlpack(call().contiguous()), ref, ref_name)
 
 
 def _time(args, rows: list[dict], base: dict, fn, kind: str, result, ref, ref_name: str) -> None:
@@ -208,7 +270,7 @@ def _time(args, rows: list[dict], base: dict, fn, kind: str, result, ref, ref_na
         err = max_diff(result(), ref)
         times = {p: records.median_ms(fn, args.repeat, args.warmup, kind=kind, protocol=p) for p in args.protocols}
     except Exception as e:  # noqa: BLE001 - recorded, the table goes on
-        rows.append({**base, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+        rows.append({**base, "error": _why(e)})
         print(f"  {base['impl']:<14} {base['pattern']:<28} {rows[-1]['error'][:100]}", flush=True)
         cp.get_default_memory_pool().free_all_blocks()
         return
@@ -261,6 +323,42 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summary(rows: list[dict]) -> list[str]:
+    """One line per (protocol, n, implementation) of a record: its time per computed tile over dense causal's (the
+    range over the sliding windows, then the dilated pattern; 1.00 = time proportional to the computed tiles) and,
+    where FlexAttention was timed, its speed against FlexAttention with the same mask (range over the patterns)."""
+    ratios = per_tile_ratios(rows)
+    flex = {(records.protocol_of(r), r["n"], r["pattern"]): r["median_ms"] for r in rows
+            if "error" not in r and r["impl"] == "flex"}
+    timed = [r for r in rows if "error" not in r and r["impl"] in IMPLS]
+    lines = []
+    for protocol in records.PROTOCOLS:
+        for n in sorted({r["n"] for r in timed}):
+            for impl in IMPLS:
+                mine = [r for r in timed if r["impl"] == impl and r["n"] == n and records.protocol_of(r) == protocol]
+                per_tile = {r["dilation"] > 1: [] for r in mine}
+                for r in mine:
+                    if (impl, protocol, n, r["pattern"]) in ratios:
+                        per_tile[r["dilation"] > 1].append(ratios[(impl, protocol, n, r["pattern"])])
+                if not any(per_tile.values()):
+                    continue
+                parts = [f"{_span(v)} ({'dilated' if dilated else 'windows'})"
+                         for dilated, v in sorted(per_tile.items()) if v]
+                line = f"{protocol:<10} n = {n:<6} {impl:<13} time per tile / dense causal's: {', '.join(parts)}"
+                speed = [flex[(protocol, n, r["pattern"])] / r["median_ms"] for r in mine
+                         if (protocol, n, r["pattern"]) in flex]
+                if speed and impl != "flex":
+                    line += f"; speed / FlexAttention's: {_span(speed)}"
+                lines.append(line)
+    return lines
+
+
+def _span(values: list[float]) -> str:
+    """A range of ratios to two decimals, one number when both ends print alike."""
+    lo, hi = min(values), max(values)
+    return f"{lo:.2f}" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}"
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line of this benchmark."""
     p = record_parser("sparse", __doc__.splitlines()[0], name="sparse", out=OUT_DIR, repeat=20, warmup=3)
@@ -274,6 +372,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS,
                    help="implementations of each pattern (dense causal is always timed)")
+    p.add_argument("--flex-allow-recompile", action="store_true",
+                   help="let FlexAttention recompile for a pattern instead of recording an error (minutes each)")
     add_protocols(p)
     return p
 

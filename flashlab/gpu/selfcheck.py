@@ -3,9 +3,11 @@
 Small enough to run under ``compute-sanitizer --tool memcheck`` and ``--tool racecheck`` (``make sanitize``):
 ragged shapes (n = 77, m = 131: neither a multiple of any tile), GQA (2 query heads on 1 K/V head), causal with
 n < m, and n > m so that some rows see no key. ``forward [RUNG ...]``: the forward ladder against naive attention;
-``backward-decode [--quick]``: the backward and decoding kernels against float64; no part: both. A kernel this GPU
-cannot run (its compute capability or shared memory per block: the reasons of ``flashlab.gpu.plan``) is skipped
-with the reason. Nothing is timed or written; the exit status is non-zero if any output is wrong.
+``backward-decode [--quick]``: the backward and decoding kernels against float64; ``sparse [--quick]``: the
+block-sparse kernels (``window=``, ``dilation=``, ``block_mask=``) against float64 with the same mask; no part: all
+three. A kernel this GPU cannot run (its compute capability or shared memory per block: the reasons of
+``flashlab.gpu.plan``) is skipped with the reason. Nothing is timed or written; the exit status is non-zero if any
+output is wrong.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ import sys
 
 import numpy as np
 
-from .. import reference
+from .. import blocksparse, reference
 from . import backward
 
-PARTS = ("all", "forward", "backward-decode")
+PARTS = ("all", "forward", "backward-decode", "sparse")
 
 
 def _verdict(bad: int) -> int:
@@ -137,12 +139,68 @@ def backward_and_decode(quick: bool = False) -> int:
     return _verdict(bad)
 
 
+# (n, m, pattern, how the call says it): windows on both sides of a ragged shape, and a dilated causal window with
+# n > m, whose first 54 rows see no key; block masks of a local + global pattern and of a dilated one with n > m.
+SPARSE_CASES = (
+    (77, 131, blocksparse.sliding_window(40, 3), {"window": (40, 3)}),
+    (131, 77, blocksparse.dilated(3, left=20), {"window": (20, 0), "dilation": 3}),
+    (77, 131, blocksparse.local_global(17, 3, [0, 5]), "block_mask"),
+    (131, 77, blocksparse.dilated(5, left=60), "block_mask"),
+)
+
+
+def sparse(quick: bool = False) -> int:
+    """Every block-sparse kernel (``flashlab.gpu.SPARSE_KERNELS``) once per dtype and d with GQA (2 query heads on 1
+    K/V head) at ragged shapes: the window kernels with windows, the list kernel with block masks, against float64
+    with the same mask. Outputs are poisoned with NaN first, so an element never written fails. ``quick``: the first
+    case of each kernel only. Returns the number of failures."""
+    import cupy as cp
+
+    import flashlab.gpu as fgpu
+
+    rng = np.random.default_rng(4)
+    bad = 0
+    for name in fgpu.SPARSE_KERNELS:
+        mode = "blocks" if name in fgpu.SPARSE_MODES["blocks"] else "window"
+        cases = [c for c in SPARSE_CASES if (c[3] == "block_mask") == (mode == "blocks")]
+        for dt in fgpu.SPARSE_KERNELS[name].dtypes:
+            bf = dt == "bf16"
+            for d in fgpu.HEAD_DIMS:
+                why = fgpu.sparse_problem(name, dt, d, True, fgpu.device_limits())
+                if why is not None:
+                    print(f"sparse {name:<17} {dt:<4} d={d:<4} skipped: {why}", flush=True)
+                    continue
+                for n, m, pattern, how in cases[:1] if quick else cases:
+                    x = [rng.standard_normal(s).astype(np.float32) for s in ((1, 2, n, d), (1, 1, m, d), (1, 1, m, d))]
+                    dev = [fgpu.to_bf16(cp.asarray(a)) if bf else cp.asarray(a.astype(np.float16)) for a in x]
+                    q, k, v = ((fgpu.from_bf16(a) if bf else a.astype(cp.float32)).get().astype(np.float64)
+                               for a in dev)
+                    call = (dict(how) if how != "block_mask"
+                            else {"block_mask": pattern.block_mask(n, m, *fgpu.sparse_block(d))})
+                    o = cp.full(dev[0].shape, 0xFFFF if bf else np.nan, dtype=dev[0].dtype)
+                    lse = cp.full(dev[0].shape[:-1], np.nan, dtype=cp.float32)
+                    fgpu.attention(*dev, bf16=bf, kernel=name, out=(o, lse), **call)
+                    O, L = reference.attention(q, k, v, mask=pattern)
+                    got = (fgpu.from_bf16(o) if bf else o.astype(cp.float32)).get()
+                    lse = lse.get()
+                    fin = np.isfinite(L)
+                    err = float(np.abs(got - O).max())  # NaN, hence a failure, where an element was not written
+                    lerr = float(np.abs(lse[fin] - L[fin]).max(initial=0))
+                    ok = err < (3e-2 if bf else 4e-3) and lerr < 1e-3 and bool((np.isneginf(lse) == ~fin).all())
+                    bad += not ok
+                    what = ", ".join(f"{key}={value}" for key, value in how.items()) if how != "block_mask" else (
+                        f"block_mask of {type(pattern).__name__}")
+                    print(f"sparse {name:<17} {dt:<4} d={d:<4} n={n:<4} m={m:<4} {what:<34} max|o-ref|={err:.1e} "
+                          f"max|lse-ref|={lerr:.1e} {'ok' if ok else 'FAIL'}", flush=True)
+    return _verdict(bad)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m flashlab selfcheck [forward [RUNG ...] | backward-decode [--quick]]``."""
+    """``python -m flashlab selfcheck [forward [RUNG ...] | backward-decode [--quick] | sparse [--quick]]``."""
     p = argparse.ArgumentParser(prog="python -m flashlab selfcheck", description=__doc__.splitlines()[0])
     p.add_argument("part", nargs="?", choices=PARTS, default="all", help="which kernels (default: all)")
     p.add_argument("rungs", nargs="*", help="forward: the rungs to check (default: every rung)")
-    p.add_argument("--quick", action="store_true", help="backward-decode: one shape instead of three")
+    p.add_argument("--quick", action="store_true", help="backward-decode and sparse: one shape instead of several")
     args = p.parse_args(sys.argv[1:] if argv is None else list(argv))
     if args.rungs and args.part != "forward":
         p.error("rung names go with the part 'forward'")
@@ -151,4 +209,6 @@ def main(argv: list[str] | None = None) -> int:
         bad += forward(args.rungs)
     if args.part in ("all", "backward-decode"):
         bad += backward_and_decode(quick=args.quick)
+    if args.part in ("all", "sparse"):
+        bad += sparse(quick=args.quick)
     return 1 if bad else 0
