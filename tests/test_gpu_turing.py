@@ -2,11 +2,11 @@
 
 No T4 is needed. The device's limits are replaced by the T4's attribute set (``KNOWN_DEVICES["T4"]``), so every
 public call plans as on a T4: the Turing forward rung for fp16, rung 2 for bf16 and fp32, the scalar backward, the
-split decoding kernels. Every kernel file is compiled by nvcc to PTX for ``compute_75`` (``__CUDA_ARCH__`` = 750:
-the Turing branches of the sources, such as the hand-rounded bf16 store) and loaded as PTX, which the driver
-compiles for the GPU it runs on. The results are checked by the project's rule with the same helpers as the
-other GPU tests. What this cannot show is the T4's speed, nor a limit the larger GPU does not enforce (the tests
-of ``plan`` check those against the T4's attribute set on the CPU).
+split decoding kernels. Every kernel file is compiled by nvcc (or NVRTC without it) to PTX for ``compute_75``
+(``__CUDA_ARCH__`` = 750: the Turing branches of the sources, such as the hand-rounded bf16 store) and loaded as
+PTX, which the driver compiles for the GPU it runs on. The results are checked by the project's rule with the
+same helpers as the other GPU tests. What this cannot show is the T4's speed, nor a limit the larger GPU does
+not enforce (the tests of ``plan`` check those against the T4's attribute set on the CPU).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from flashlab.gpu import backward as gbwd
 from flashlab.gpu import decoding
 
 NVCC = shutil.which("nvcc")
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(NVCC is None, reason="building Turing PTX needs nvcc")]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture
@@ -39,8 +39,19 @@ def as_t4(monkeypatch, tmp_path_factory):
     def turing_module(file: str, defines: tuple[str, ...]):
         ptx = out / f"{pathlib.Path(file).stem}{''.join(defines).replace('=', '_').replace('-', '_')}.ptx"
         if not ptx.exists():
-            subprocess.run([NVCC, "-ptx", "-arch=compute_75", "--std=c++17", *defines, "-o", str(ptx),
-                            str(fgpu.KERNEL_DIR / file)], check=True, capture_output=True, text=True)
+            if NVCC:
+                subprocess.run([NVCC, "-ptx", "-arch=compute_75", "--std=c++17", *defines, "-o", str(ptx),
+                                str(fgpu.KERNEL_DIR / file)], check=True, capture_output=True, text=True)
+            else:  # NVRTC, as CuPy compiles, asked for compute_75 PTX
+                from cupy.cuda import nvrtc
+
+                prog = nvrtc.createProgram((fgpu.KERNEL_DIR / file).read_text(), file, [], [])
+                try:
+                    nvrtc.compileProgram(prog, ["-arch=compute_75", "--std=c++17", *defines])
+                except nvrtc.NVRTCError as e:
+                    raise RuntimeError(nvrtc.getProgramLog(prog)) from e
+                ptx.write_text(nvrtc.getPTX(prog).decode() if isinstance(nvrtc.getPTX(prog), bytes)
+                               else nvrtc.getPTX(prog))
         built.append(file)
         return cp.RawModule(path=str(ptx))
 
