@@ -150,8 +150,7 @@ __device__ void attn_k_lanes(const u16* __restrict__ q, const u16* __restrict__ 
     const u16* vb = v + ((size_t)b * Hk + hk) * m * D;
     const int wrow = warp * 16 * MT;  // first row of this warp inside the block
     // This thread holds rows g and g + 8 of each 16-row tile; row (mt, e) = q0 + wrow + 16 mt + 8 e + g may see
-    // keys below kbase + 16 mt + 8 e (causal), computed where needed to save registers.
-    const int kbase = causal ? q0 + wrow + g + (m - n) + 1 : m;
+    // keys below kbase + 16 mt + 8 e (causal), kbase = q0 + wrow + g + m - n + 1: computed in the masking branch.
     const int block_kend = causal ? min(m, min(q0 + BR, n) + (m - n)) : m;
     const int ntiles = block_kend > 0 ? (block_kend + BC - 1) / BC : 0;
     const int mask_from = causal ? min(q0 + (m - n) + 2 - BC, m - BC + 1) : m - BC + 1;
@@ -235,6 +234,13 @@ __device__ void attn_k_lanes(const u16* __restrict__ q, const u16* __restrict__ 
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             if (need_mask) {
+                // kbase from the block index and the lane, re-read here: kept from the prologue it would hold a
+                // register through the whole loop for the few tiles that need it (at d = 128, ptxas spilled).
+                int bx;
+                asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(bx));
+                u32 lm;
+                asm volatile("mov.u32 %0, %1;" : "=r"(lm) : "r"(lane));
+                const int kbase = (causal ? gridDim.x - 1 - bx : bx) * BR + wrow + (lm >> 2) + (m - n) + 1;
 #pragma unroll
                 for (int nt = 0; nt < BC / 8; ++nt)
 #pragma unroll
