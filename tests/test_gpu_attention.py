@@ -157,7 +157,9 @@ def test_matches_reference_on_random_shapes(rng, name, dt):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [("r6", 4, 64), ("r6", 8, 32), ("r6", 4, 128), ("r7", 8, 32), ("r7", 4, 32),
-                                     ("r8", 4, 32), ("r8", 8, 64), ("r9", 4, 32), ("r9", 8, 64)])
+                                     ("r8", 4, 32), ("r8", 8, 64), ("r9", 4, 32), ("r9", 8, 64), ("r10", 8, 32),
+                                     ("r11", 4, 32), ("r11", 8, 64)],
+                         ids=lambda v: "-".join(map(str, v)))
 def test_tunable_rungs_with_other_tile_sizes(rng, variant):
     which, nwarps, bc = variant
     if which == "r6":
@@ -165,7 +167,8 @@ def test_tunable_rungs_with_other_tile_sizes(rng, variant):
     elif which == "r7":
         rung = fgpu.rung7_variant(nwarps, bc)
     else:
-        rung = fgpu.rung7_variant(nwarps, bc, bc, base="lean" if which == "r8" else "addressing")
+        base = {"r8": "lean", "r9": "addressing", "r10": "one_barrier", "r11": "k_lanes"}[which]
+        rung = fgpu.rung7_variant(nwarps, bc, bc, base=base)
     for trial in range(6):
         d = 64 if (which == "r6" and bc > 64) else int(rng.choice(fgpu.HEAD_DIMS))  # r6 BC=128 fits only at d=64
         n, m = _random_length(rng, rung.block_rows), _random_length(rng, bc)

@@ -11,6 +11,8 @@ The kernels form a ladder (chapters 6 and 7), one file per rung, each a readable
     warp32        a warp owns 32 query rows, so each fragment loaded from shared memory feeds two mma
     lean          one FFMA per exponent, O rescaled only when a row's max moved, 64-key tiles at d = 128
     addressing    the same math with a quarter fewer instructions: 32-bit shared addresses, unrolled copies
+    one_barrier   one barrier per key tile: the next tile's copy is issued after the barrier that opens this one
+    k_lanes       K's own ldmatrix lane pattern: each mma finds its two K registers side by side, no moves
 
 ``attention(q, k, v)`` checks its inputs, picks a rung and launches it. This module imports without CuPy (the
 course runs on CPU machines); only calling a GPU function needs CuPy and a GPU.
@@ -100,6 +102,10 @@ RUNGS: dict[str, Rung] = {
              "one FFMA per exponent, O rescaled only when a row max moves, 64-key tiles at d = 128 (scale > 0)"),
         Rung("addressing", "r9_addressing.cu", 128, 128, ("f16", "bf16"), 80, (128 + 4 * 64) * 2,
              "32-bit shared addresses, precomputed swizzles, unrolled copies: a quarter fewer instructions"),
+        Rung("one_barrier", "r10_one_barrier.cu", 128, 128, ("f16", "bf16"), 80, (128 + 4 * 64) * 2,
+             "one barrier per key tile: the next tile's copy is issued after the barrier that opens this one"),
+        Rung("k_lanes", "r11_k_lanes.cu", 128, 128, ("f16", "bf16"), 80, (128 + 4 * 64) * 2,
+             "K loaded by ldmatrix in mma B order: each mma's two K registers adjacent, no register moves"),
         # A side step of the ladder for Turing (sm_75, the T4): rung 4's tensor-core forward on what sm_75 has.
         Rung("turing", "r3t_mma_m16n8k8.cu", 64, 128, ("f16",), 75, (2 * 64 * 2, 2 * 32 * 2),
              "Turing: two mma.sync m16n8k8 per k16 step, ldmatrix, K/V prefetched through registers, 16 KB shared"),
@@ -113,20 +119,23 @@ BEST = {("f32", 64): "smem_tiles", ("f32", 128): "smem_tiles",
 # data/benchmarks/ladder.json (an H200) has no row for them.
 SIDE_STEPS = ("turing",)
 # rung -> the rung "best" falls back to when scale <= 0 (these keep the max of unscaled scores)
-POSITIVE_SCALE_ONLY = {"lean": "warp32", "addressing": "warp32"}
+POSITIVE_SCALE_ONLY = {"lean": "warp32", "addressing": "warp32", "one_barrier": "warp32", "k_lanes": "warp32"}
 # What "best" tries after BEST's rung, fastest first: the ladder's order in data/benchmarks/ladder.json. "turing",
 # not timed there, comes after every sm_80 rung (it is chosen where they cannot run: sm_75); then the scalar rungs.
-# "addressing_c32" (below) stands in for rung 9 where rung 9 spills.
-LADDER_ORDER = ("addressing", "addressing_c32", "lean", "warp32", "exp2_tiles", "cp_async", "ldmatrix", "mma",
-                "turing", "smem_tiles", "scalar")
+# "addressing_c32" (below) stands in for rung 9 where rung 9 spills. Rungs 10 and 11, not yet in ladder.json, come
+# after rung 9 and its stand-in: "best" reaches them on no GPU, and they run when asked for by name.
+LADDER_ORDER = ("addressing", "addressing_c32", "one_barrier", "k_lanes", "lean", "warp32", "exp2_tiles", "cp_async",
+                "ldmatrix", "mma", "turing", "smem_tiles", "scalar")
 # The architectures the kernels are compiled for in the tests (tests/test_kernels_compile.py), each kernel for those
 # of them at or above its min_cc: T4, A100, A10 / RTX 30x0, RTX 40x0, H100 / H200.
 COMPILED_ARCHS = (75, 80, 86, 89, 90)
 # Register spills that nvcc 13 reports (--resource-usage): (file, defines, d) -> the architectures where that
 # kernel spills. tests/test_kernels_compile.py compiles every kernel for every architecture it claims and fails
-# when this table and the compiler disagree. Rungs 8 and 9 at d = 128 keep 64-key tiles in 255 registers on sm_90;
-# sm_80-89 need a few more, so the plan passes them over there.
-SPILLS = {("r8_lean_softmax.cu", (), 128): (80, 86, 89), ("r9_addressing.cu", (), 128): (80, 86, 89)}
+# when this table and the compiler disagree. Rungs 8-10 at d = 128 keep 64-key tiles in 255 registers on sm_90;
+# sm_80-89 need a few more, so the plan passes them over there. Rung 11 at d = 128 is the other way round: no spill
+# on sm_80-89, 8 bytes on sm_90 (one value reloaded per key tile).
+SPILLS = {("r8_lean_softmax.cu", (), 128): (80, 86, 89), ("r9_addressing.cu", (), 128): (80, 86, 89),
+          ("r10_one_barrier.cu", (), 128): (80, 86, 89), ("r11_k_lanes.cu", (), 128): (90,)}
 
 
 def rung6_variant(nwarps: int, bc: int) -> Rung:
