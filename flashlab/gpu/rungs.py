@@ -61,12 +61,18 @@ KNOWN_VARIANTS: tuple[KnownVariant, ...] = (
             "Left as is: the recorded timings were measured with these bytes.",
     ),
     KnownVariant(
-        helpers=("F16::load", "F16::store", "BF16::load", "BF16::store"),
+        helpers=("F16::load", "F16::store", "BF16::load"),
         groups=(("r1_scalar", "r2_smem_tiles"), CH8),
-        why="Rungs 1-2 also run fp32, so their structs convert a storage type `T` (fp32, fp16 or bf16 bits), and "
-            "they run on sm_75 (T4), which has no bf16 conversion instruction: BF16::store rounds to nearest even "
-            "with integer arithmetic. Chapter 8's kernels are 16-bit only (`u16`) and need sm_80, so BF16::store "
-            "is one `cvt.rn.bf16.f32`.",
+        why="Rungs 1-2 also run fp32, so their structs convert a storage type `T` (fp32, fp16 or bf16 bits); "
+            "chapter 8's kernels are 16-bit only (`u16`).",
+    ),
+    KnownVariant(
+        helpers=("BF16::store",),
+        groups=(("r1_scalar", "r2_smem_tiles"), ("bwd_r1_smem", "decode_r1_split"), ("bwd_r2_mma", "bwd_r3_pipelined")),
+        why="sm_75 (T4) has no bf16 conversion instruction. Rungs 1-2 (storage type `T`) always round to nearest "
+            "even with integer arithmetic; the scalar backward and the decoding file run on sm_75 too and do so "
+            "below sm_80 only (`cvt.rn.bf16.f32` above); the tensor-core backward kernels need sm_80 and use the "
+            "instruction alone.",
     ),
     KnownVariant(
         helpers=("load_tile",),
