@@ -1,8 +1,9 @@
 """A warp's tensor-core work, emulated in NumPy: fragments, ``mma.sync``, shuffles, shared-memory banks.
 
-Chapter 7 builds these step by step in its cells; lab 07 grades against them. Everything is per *lane*: a warp's
-registers are an array whose first axis is the lane (0..31), so one NumPy operation acts on all 32 lanes at once,
-as one warp instruction does.
+Chapter 7 draws the maps and builds the rest step by step in its cells; lab 07 grades against them (its first
+question asks for the maps of Turing's ``mma.sync.m16n8k8``, which its grader holds: :func:`mma` runs them too).
+Everything is per *lane*: a warp's registers are an array whose first axis is the lane (0..31), so one NumPy
+operation acts on all 32 lanes at once, as one warp instruction does.
 
 * :func:`a_positions`, :func:`b_positions`, :func:`c_positions` — which elements of the A (16×16), B (16×8) and
   C/D (16×8) operands of ``mma.sync.aligned.m16n8k16.row.col`` each lane holds, in register order (the PTX

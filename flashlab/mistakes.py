@@ -15,11 +15,14 @@ else chapter 9 needs about them it declares in ``KNOWN_MISTAKES``, a :class:`~fl
   (:func:`flashlab.grading.run_question`, with a fixed seed), the other objects of the question taken from the
   lab's solution notebook.
 * :func:`demo` runs the mistake on small, telling inputs (``KNOWN_MISTAKES.demos``) beside the right answer;
-  :func:`report` puts the demo and the grader's message together, and :class:`Showcase` is what the chapter
-  calls. :func:`sweep` (``python -m flashlab.mistakes --seeds 40``) grades every mistake with many seeds and
-  :func:`rates` sums it up per lab: how often each mistake is named (target: at least 95 % of the seeds) and how
-  often another mistake is printed as the likely one (target: never); the command exits non-zero when a lab misses
-  either. :func:`seed_sweep` lists the gradings that miss.
+  :func:`report` puts the demo and the grader's message together, and :class:`Showcase` is what the chapter calls.
+  The labs slow to grade on a CPU (:func:`slow_to_grade`: lab 06 compiles a kernel per mistake) have their reports
+  recorded (:func:`record_lines`, ``python -m flashlab mistakes --record``, into :data:`RECORD`); the chapter grades
+  one of them live and prints the others from the record, marked as recorded.
+* :func:`sweep` (``python -m flashlab.mistakes --seeds 40``) grades every mistake with many seeds and :func:`rates`
+  sums it up per lab: how often each mistake is named (target: at least 95 % of the seeds) and how often another
+  mistake is printed as the likely one (target: never); the command exits non-zero when a lab misses either.
+  :func:`seed_sweep` lists the gradings that miss.
 
 ``tests/test_mistakes.py`` checks that every mutant of every lab is in the catalogue, runnable, and named by
 its own grader; it says what to add to the lab's module when a new mistake is not.
