@@ -16,7 +16,7 @@ else chapter 9 needs about them it declares in ``KNOWN_MISTAKES``, a :class:`~fl
   lab's solution notebook.
 * :func:`demo` runs the mistake on small, telling inputs (``KNOWN_MISTAKES.demos``) beside the right answer;
   :func:`report` puts the demo and the grader's message together, and :class:`Showcase` is what the chapter calls.
-  The labs slow to grade on a CPU (:func:`slow_to_grade`: lab 06 compiles a kernel per mistake) have their reports
+  The labs slow to grade on a CPU (:func:`slow_to_grade`: a kernel compiled per mistake) have their reports
   recorded (:func:`record_lines`, ``python -m flashlab mistakes --record``, into :data:`RECORD`); the chapter grades
   one of them live and prints the others from the record, marked as recorded.
 * :func:`sweep` (``python -m flashlab.mistakes --seeds 40``) grades every mistake with many seeds and :func:`rates`
@@ -561,7 +561,7 @@ def _shorten(text: str, width: int) -> str:
 def slow_to_grade(lab_id: str) -> str:
     """Why chapter 9 shows most of a lab's mistakes from the record (:data:`RECORD`) rather than grading each, or ''
     when it grades them all: its grader compiles each mistake's kernel (g++ on a CPU, seconds each and minutes for
-    all). Lab 05's CUDA simulator is slow too, but its reports change from run to run (which race the threads meet
+    all). The CUDA simulator is slow too, but its reports change from run to run (which race the threads meet
     first), so they could not be checked against a record: they are graded live."""
     from .grading import batch
 
@@ -832,7 +832,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="print chapter 9's record of the slow labs' mistakes (JSON Lines) instead of sweeping: "
                         f"{RECORD_COMMAND}")
     args = p.parse_args(argv)
-    if args.record:  # lab 05's kernels run in the simulator, chosen before numba.cuda is first imported
+    if args.record:  # the record may cover a simulator lab: chosen before numba.cuda is first imported
         from .numba_cuda import use_simulator
 
         use_simulator()
