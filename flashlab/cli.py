@@ -20,7 +20,7 @@ COMMANDS = {
     "selfcheck": ("flashlab.gpu.selfcheck", "every GPU kernel once at small ragged shapes against a reference: the "
                   "run to put under compute-sanitizer"),
     "mistakes": ("flashlab.mistakes", "every mistake the graders know, graded: mistakes [--seeds N] [--labs ...] "
-                 "[--simulator] (the seed sweep)"),
+                 "[--simulator] (the seed sweep) | --record (chapter 9's recorded lab 06 reports)"),
     "rungs": ("flashlab.gpu.rungs", "the kernel files side by side: rungs list | diff A B (what rung B changes) | "
               "loop A [B] (a kernel's main loop, or what B changes in it) | helpers"),
     "flashlab.numba_cuda": ("flashlab.numba_cuda", "check chapter 5's Numba CUDA forward in the simulator "

@@ -1,8 +1,9 @@
 """A warp's tensor-core work, emulated in NumPy: fragments, ``mma.sync``, shuffles, shared-memory banks.
 
-Chapter 7 builds these step by step in its cells; lab 07 grades against them. Everything is per *lane*: a warp's
-registers are an array whose first axis is the lane (0..31), so one NumPy operation acts on all 32 lanes at once,
-as one warp instruction does.
+Chapter 7 draws the maps and builds the rest step by step in its cells; lab 07 grades against them (its first
+question asks for the maps of Turing's ``mma.sync.m16n8k8``, which its grader holds: :func:`mma` runs them too).
+Everything is per *lane*: a warp's registers are an array whose first axis is the lane (0..31), so one NumPy
+operation acts on all 32 lanes at once, as one warp instruction does.
 
 * :func:`a_positions`, :func:`b_positions`, :func:`c_positions` — which elements of the A (16×16), B (16×8) and
   C/D (16×8) operands of ``mma.sync.aligned.m16n8k16.row.col`` each lane holds, in register order (the PTX
@@ -105,16 +106,21 @@ def show_layout(where: PositionMap, shape: tuple[int, int]) -> str:
     return "\n".join(lines)
 
 
-def mma(a_frags: np.ndarray, b_frags: np.ndarray, c_frags: np.ndarray) -> np.ndarray:
+def mma(a_frags: np.ndarray, b_frags: np.ndarray, c_frags: np.ndarray,
+        maps: tuple[PositionMap, PositionMap, PositionMap] | None = None) -> np.ndarray:
     """One warp-wide ``mma.sync.m16n8k16``: per-lane fragments of A (32, 8), B (32, 4), C (32, 4) in, D (32, 4) out.
 
     The hardware reads every register through its fixed layout (:func:`a_positions` ...), whatever the program
-    meant to put there.
+    meant to put there. ``maps`` = (A's, B's, C's) emulates another m16n8 shape through that shape's layout: k is
+    read from A's fragments (4 halves per lane: k = 8, Turing's ``m16n8k8``, whose maps lab 07's grader holds).
     """
-    A = scatter(np.asarray(a_frags, dtype=np.float64), a_positions, SHAPES["A"])
-    B = scatter(np.asarray(b_frags, dtype=np.float64), b_positions, SHAPES["B"])
-    C = scatter(np.asarray(c_frags, dtype=np.float64), c_positions, SHAPES["C"])
-    return gather(A @ B + C, c_positions)
+    a_map, b_map, c_map = maps or (a_positions, b_positions, c_positions)
+    a_frags = np.asarray(a_frags, dtype=np.float64)
+    k = a_frags.shape[1] * LANES // 16
+    A = scatter(a_frags, a_map, (16, k))
+    B = scatter(np.asarray(b_frags, dtype=np.float64), b_map, (k, 8))
+    C = scatter(np.asarray(c_frags, dtype=np.float64), c_map, SHAPES["C"])
+    return gather(A @ B + C, c_map)
 
 
 def ldmatrix_x4(tile: np.ndarray, rows_chunks: np.ndarray) -> np.ndarray:

@@ -15,11 +15,14 @@ else chapter 9 needs about them it declares in ``KNOWN_MISTAKES``, a :class:`~fl
   (:func:`flashlab.grading.run_question`, with a fixed seed), the other objects of the question taken from the
   lab's solution notebook.
 * :func:`demo` runs the mistake on small, telling inputs (``KNOWN_MISTAKES.demos``) beside the right answer;
-  :func:`report` puts the demo and the grader's message together, and :class:`Showcase` is what the chapter
-  calls. :func:`sweep` (``python -m flashlab.mistakes --seeds 40``) grades every mistake with many seeds and
-  :func:`rates` sums it up per lab: how often each mistake is named (target: at least 95 % of the seeds) and how
-  often another mistake is printed as the likely one (target: never); the command exits non-zero when a lab misses
-  either. :func:`seed_sweep` lists the gradings that miss.
+  :func:`report` puts the demo and the grader's message together, and :class:`Showcase` is what the chapter calls.
+  The labs slow to grade on a CPU (:func:`slow_to_grade`: a kernel compiled per mistake) have their reports
+  recorded (:func:`record_lines`, ``python -m flashlab mistakes --record``, into :data:`RECORD`); the chapter grades
+  one of them live and prints the others from the record, marked as recorded.
+* :func:`sweep` (``python -m flashlab.mistakes --seeds 40``) grades every mistake with many seeds and :func:`rates`
+  sums it up per lab: how often each mistake is named (target: at least 95 % of the seeds) and how often another
+  mistake is printed as the likely one (target: never); the command exits non-zero when a lab misses either.
+  :func:`seed_sweep` lists the gradings that miss.
 
 ``tests/test_mistakes.py`` checks that every mutant of every lab is in the catalogue, runnable, and named by
 its own grader; it says what to add to the lab's module when a new mistake is not.
@@ -30,6 +33,8 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import json
+import pathlib
 import re
 import sys
 import types
@@ -553,20 +558,101 @@ def _shorten(text: str, width: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ the chapter
+def slow_to_grade(lab_id: str) -> str:
+    """Why chapter 9 shows most of a lab's mistakes from the record (:data:`RECORD`) rather than grading each, or ''
+    when it grades them all: its grader compiles each mistake's kernel (g++ on a CPU, seconds each and minutes for
+    all). The CUDA simulator is slow too, but its reports change from run to run (which race the threads meet
+    first), so they could not be checked against a record: they are graded live."""
+    from .grading import batch
+
+    return "its grader compiles each mistake's kernel (g++ on a CPU)" if lab_id in batch.GPU_LABS else ""
+
+
+# -------------------------------------------------------------------------------------- the recorded reports
+#: The recorded reports of the mistakes of the labs slow to grade (:func:`slow_to_grade`), which chapter 9 shows
+#: rather than grades one by one: JSON Lines, the first line the provenance, then one mistake per line (so that a
+#: regeneration changes the lines of the mistakes that changed). ``tests/test_mistakes.py`` checks it is current.
+RECORD = ROOT / "data" / "mistakes" / "chapter9.jsonl"
+#: The one command that regenerates :data:`RECORD`.
+RECORD_COMMAND = "python -m flashlab mistakes --record > data/mistakes/chapter9.jsonl"
+
+
+def record_key(mistake: Mistake) -> str:
+    """What identifies a mistake in the record: lab, question, group, message and variant."""
+    return "\x1f".join((mistake.lab_id, mistake.question, mistake.group, mistake.message, mistake.variant))
+
+
+def recorded_mistakes(lab_ids: Sequence[str] | None = None) -> list[Mistake]:
+    """The mistakes the record holds: every mistake of the slow labs among ``lab_ids`` (default all labs)."""
+    return [m for m in catalogue(lab_ids) if slow_to_grade(m.lab_id)]
+
+
+def record_lines(lab_ids: Sequence[str] | None = None, seed: int = SEED) -> list[str]:
+    """The record, line by line: the provenance, then each recorded mistake's :func:`report` with ``seed``."""
+    import datetime
+    import platform
+
+    provenance = {"command": RECORD_COMMAND, "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"), "seed": seed, "gpu": gpu_here(), "python": platform.python_version(),
+        "numpy": np.__version__}
+    lines = [json.dumps({"provenance": provenance}, ensure_ascii=False)]
+    for m in recorded_mistakes(lab_ids):
+        entry = {"lab": m.lab_id, "question": m.question, "group": m.group, "message": m.message,
+                 "variant": m.variant, "report": report(m, seed)}
+        lines.append(json.dumps(entry, ensure_ascii=False))
+    return lines
+
+
+def read_record(path: pathlib.Path | None = None) -> tuple[dict, dict[str, str]]:
+    """The record's provenance and its reports by :func:`record_key` (empty when there is no record); ``path``
+    defaults to :data:`RECORD`."""
+    path = path or RECORD
+    if not path.exists():
+        return {}, {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    reports = {"\x1f".join((r["lab"], r["question"], r["group"], r["message"], r["variant"])): r["report"]
+               for r in rows[1:]}
+    return rows[0]["provenance"], reports
+
+
+# ------------------------------------------------------------------------------------------------ the chapter
 class Showcase:
     """What chapter 9 calls: ``book.show(lab_id, phrase)`` prints the report of the mistake whose message holds
-    ``phrase``; ``book.rest()`` prints every mistake not shown yet (new labs' and new mutants' included)."""
+    ``phrase``; ``book.rest()`` prints every mistake not shown yet (new labs' and new mutants' included).
 
-    def __init__(self, seed: int = SEED) -> None:
+    ``show`` always grades live. ``rest`` (and :meth:`report`) grades live every mistake of a lab that is quick to
+    grade, and one of each slow lab (:func:`slow_to_grade`) that :meth:`show` has not graded yet; the others of a slow
+    lab come from the record (:data:`RECORD`), marked as recorded. A mistake the record lacks, or a seed other than
+    the record's, is graded live; ``recorded=False`` grades everything live.
+    """
+
+    def __init__(self, seed: int = SEED, recorded: bool = True) -> None:
         self.seed = seed
         self.shown: list[Mistake] = []
+        provenance, reports = read_record() if recorded else ({}, {})
+        self.provenance = provenance if provenance.get("seed") == seed else {}
+        self.recorded = reports if self.provenance else {}
+        self.graded_live: set[str] = set()  # the labs of which a mistake was graded live
 
     def show(self, lab_id: str, phrase: str, question: str | None = None, variant: str | None = None,
              group: str | None = None) -> None:
-        """Print the report of the one mistake :func:`find` picks with these arguments."""
+        """Print the report of the one mistake :func:`find` picks with these arguments, graded live."""
         mistake = find(lab_id, phrase, question, variant, group)
         self.shown.append(mistake)
+        self.graded_live.add(lab_id)
         print(report(mistake, self.seed))
+
+    def report(self, mistake: Mistake) -> str:
+        """The mistake's report: graded live, or from the record (see the class docstring)."""
+        lab_id = mistake.lab_id
+        recorded = self.recorded.get(record_key(mistake))
+        if recorded is None or lab_id not in self.graded_live or not slow_to_grade(lab_id):
+            self.graded_live.add(lab_id)
+            return report(mistake, self.seed)
+        head, _, body = recorded.partition("\n")
+        note = (f"[recorded on {self.provenance['date_utc'][:10]} by `{self.provenance['command'].split(' >')[0]}`, "
+                f"seed {self.seed}: {slow_to_grade(lab_id)}; mistakes.report(mistake) grades it here]")
+        return f"{head}\n{note}\n{body}"
 
     def remaining(self, lab_ids: Sequence[str] | None = None) -> list[Mistake]:
         """The mistakes of ``lab_ids`` (default all labs) not shown yet."""
@@ -579,7 +665,7 @@ class Showcase:
             print("Every mistake of " + (", ".join(lab_ids) if lab_ids else "every lab") + " has been shown above.")
         for mistake in left:
             self.shown.append(mistake)
-            print(report(mistake, self.seed), end="\n\n")
+            print(self.report(mistake), end="\n\n")
 
 
 #: A check cell's line that names a mistake as the likely one: "Likely mistake (...): <message>".
@@ -742,7 +828,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="mistakes graded at once, in worker processes (default 1)")
     p.add_argument("--time-limit", type=float, default=0.0,
                    help="seconds a question may run (default 0: no limit; the sweep checks diagnoses, not speed)")
+    p.add_argument("--record", action="store_true",
+                   help="print chapter 9's record of the slow labs' mistakes (JSON Lines) instead of sweeping: "
+                        f"{RECORD_COMMAND}")
     args = p.parse_args(argv)
+    if args.record:  # the record may cover a simulator lab: chosen before numba.cuda is first imported
+        from .numba_cuda import use_simulator
+
+        use_simulator()
+        print("\n".join(record_lines(args.labs)))
+        return 0
     if args.simulator:  # chosen before anything imports numba.cuda, as the simulator must be
         from .numba_cuda import use_simulator
 
@@ -778,10 +873,11 @@ def overview() -> str:
 
 __all__ = [
     "ROOT", "SEED", "Demo", "LabRates", "Mistake", "Outcome", "Row", "Showcase", "catalogue", "declared_mutants",
-    "demo", "demo_for", "diagnosed", "false_likely", "find", "format_rows", "grade", "grader_message",
-    "group_questions", "implementation", "is_mutant", "known", "lab_module", "labs", "likely_titles",
-    "local_mutants", "mutant_groups", "needs_gpu", "needs_simulator", "overview", "rates", "report",
-    "runnable_here", "seed_sweep", "solution_object", "source_diff", "sweep", "unmapped_groups",
+    "RECORD", "RECORD_COMMAND", "demo", "demo_for", "diagnosed", "false_likely", "find", "format_rows", "grade",
+    "grader_message", "group_questions", "implementation", "is_mutant", "known", "lab_module", "labs",
+    "likely_titles", "local_mutants", "mutant_groups", "needs_gpu", "needs_simulator", "overview", "rates",
+    "read_record", "record_key", "record_lines", "recorded_mistakes", "report", "runnable_here", "seed_sweep",
+    "slow_to_grade", "solution_object", "source_diff", "sweep", "unmapped_groups",
 ]
 
 

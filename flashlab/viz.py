@@ -434,3 +434,53 @@ def plot_sparse_times(record: dict, *, axes=None):
         caption += f"; not timed in this record: {', '.join(missing)}"
     fig.text(0.01, 0.0, caption, fontsize=7.5, va="top", ha="left", transform=fig.transFigure)
     return fig
+
+
+def fragment_labels(where, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """For each element of a ``shape`` operand, the lane that holds it under the map ``where`` (a function lane ->
+    [(row, column), ...] in register order, like :func:`flashlab.fragments.c_positions`) and its value index in
+    that lane; -1 where no lane holds it, -2 where several do. Positions outside the operand are ignored."""
+    lanes = np.full(shape, -1)
+    values = np.full(shape, -1)
+    for lane in range(32):
+        for value, (r, c) in enumerate(where(lane)):
+            if 0 <= r < shape[0] and 0 <= c < shape[1]:
+                lanes[r, c], values[r, c] = (lane, value) if lanes[r, c] == -1 else (-2, -2)
+    return lanes, values
+
+
+def plot_fragment_layouts(layouts: dict, *, axes=None):
+    """One panel per operand of a warp-wide ``mma.sync``: every element labelled ``lane:value`` (the lane that holds
+    it and the place in that lane's registers), coloured by the lane's group g = lane // 4, so that the four lanes of
+    a quad share a colour. ``layouts`` is ``{title: (map, (rows, columns))}``, e.g. ``{"A (16 × 16)":
+    (fragments.a_positions, (16, 16)), ...}``. Grey with ``?``: no lane holds the element; black with ``!!``:
+    several do."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+
+    if not layouts:
+        raise ValueError("need at least one operand to draw")
+    if axes is None:
+        widths = [shape[1] for _, shape in layouts.values()]
+        height = max(shape[0] for _, shape in layouts.values())
+        _, axes = plt.subplots(1, len(layouts), figsize=(0.42 * sum(widths) + 1.2, 0.36 * height + 1.2),
+                               gridspec_kw={"width_ratios": widths}, constrained_layout=True)
+    axes = np.atleast_1d(axes)
+    # Eight groups (quads): colours that stay apart in grey-scale print too, then grey (no lane) and black (several).
+    groups = ["#a6cee3", "#1f78b4", "#b2df8a", "#33a02c", "#fb9a99", "#e31a1c", "#fdbf6f", "#ff7f00"]
+    cmap = ListedColormap(groups + ["#d9d9d9", "#000000"])
+    for ax, (title, (where, shape)) in zip(axes, layouts.items(), strict=False):
+        lanes, values = fragment_labels(where, shape)
+        colour = np.where(lanes >= 0, lanes // 4, np.where(lanes == -1, 8, 9))
+        ax.imshow(colour, cmap=cmap, vmin=-0.5, vmax=9.5, aspect="equal")
+        for (r, c), lane in np.ndenumerate(lanes):
+            text = f"{lane}:{values[r, c]}" if lane >= 0 else ("?" if lane == -1 else "!!")
+            ax.text(c, r, text, ha="center", va="center", fontsize=6,
+                    color="white" if lane == -2 or (lane >= 0 and lane // 4 in (1, 3, 5)) else "black")
+        ax.set_xticks(range(shape[1]))
+        ax.set_yticks(range(shape[0]))
+        ax.tick_params(labelsize=7)
+        ax.set_xlabel("column", fontsize=8)
+        ax.set_ylabel("row", fontsize=8)
+        ax.set_title(title, fontsize=9)
+    return axes[0].figure

@@ -82,6 +82,42 @@ def test_show_layout_marks_missing_and_shared_elements():
     assert "!!" in doubled and " ? " in doubled
 
 
+def test_mma_through_other_maps_reads_k_from_the_fragments(rng):
+    """maps= emulates another m16n8 shape: its k comes from A's fragment width, its layout from the maps given."""
+    def a4(lane):  # an A of 16 x 8 (4 values per lane), laid out like C
+        return fragments.c_positions(lane)
+
+    def b_cols(lane):  # every element of an 8 x 8 B once: lane 4g + t holds column g, k = 2t and 2t + 1
+        return [(2 * (lane % 4), lane // 4), (2 * (lane % 4) + 1, lane // 4)]
+
+    def b_half(lane):  # columns 0..3 only, each element twice: columns 4..7 are held by no lane
+        return [(lane % 8, lane // 8)] * 2
+
+    A, B, C = rng.standard_normal((16, 8)), rng.standard_normal((8, 8)), rng.standard_normal((16, 8))
+    a, c = fragments.gather(A, a4), fragments.gather(C, fragments.c_positions)
+    D = fragments.mma(a, fragments.gather(B, b_cols), c, maps=(a4, b_cols, fragments.c_positions))
+    assert np.allclose(fragments.scatter(D, fragments.c_positions, (16, 8)), A @ B + C, rtol=1e-13, atol=1e-13)
+    D = fragments.mma(a, fragments.gather(B, b_half), c, maps=(a4, b_half, fragments.c_positions))
+    assert np.isnan(fragments.scatter(D, fragments.c_positions, (16, 8))[:, 4:]).all()
+
+
+def test_plot_fragment_layouts_labels_every_element_with_its_lane_and_value():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from flashlab import viz
+
+    lanes, values = viz.fragment_labels(fragments.c_positions, (16, 8))
+    assert (lanes[9, 2:4] == 5).all() and values[9, 2:4].tolist() == [2, 3]  # lane 5: g = 1, t = 1: row 9 is g + 8
+    lanes, _ = viz.fragment_labels(lambda lane: [(lane % 16, 0)] * 4, (16, 8))
+    assert (lanes[:, 0] == -2).all() and (lanes[:, 1:] == -1).all()
+    fig = viz.plot_fragment_layouts({"C": (fragments.c_positions, (16, 8)), "A": (fragments.a_positions, (16, 16))})
+    texts = [t.get_text() for t in fig.axes[1].texts]
+    assert len(texts) == 256 and "31:7" in texts and "?" not in texts
+    with pytest.raises(ValueError):
+        viz.plot_fragment_layouts({})
+
+
 # ---------------------------------------------------------------------------------------- shuffles, softmax
 def test_shfl_xor_reads_the_partner_lane(rng):
     x = rng.standard_normal((32, 3))
@@ -171,7 +207,7 @@ def test_swizzle_and_chunk_address_work_on_arrays():
 @pytest.fixture(scope="module")
 def ch7() -> dict:
     """The definitions of chapter 7's code cells (functions and assignments of literals), executed in order."""
-    namespace: dict = {"np": np, "reference": reference}
+    namespace: dict = {"np": np, "reference": reference, "frag": fragments}
     for cell in json.loads(CH7.read_text())["cells"]:
         if cell["cell_type"] != "code":
             continue
@@ -185,15 +221,19 @@ def ch7() -> dict:
     return namespace
 
 
-def test_chapter_7_maps_are_the_package_s(ch7):
-    for name, fn in MAPS.items():
-        chapter = ch7[f"{name.lower()}_positions"]
-        assert all(list(chapter(lane)) == fn(lane) for lane in range(32)), name
+def test_chapter_7_draws_the_package_s_maps_and_writes_none_of_its_own():
+    """The maps are lab 07's kind of answer: the chapter shows them as a figure of the package's, not as code."""
+    code = [("".join(c["source"])) for c in json.loads(CH7.read_text())["cells"] if c["cell_type"] == "code"]
+    defined = {node.name for source in code for node in ast.walk(ast.parse(source))
+               if isinstance(node, ast.FunctionDef)}
+    assert not defined & {"a_positions", "b_positions", "c_positions"}, defined
+    drawing = next(source for source in code if "plot_fragment_layouts" in source)
+    assert all(f"frag.{name.lower()}_positions" in drawing for name in MAPS)
 
 
 def test_chapter_7_mma_and_fragments_are_the_package_s(ch7, rng):
     A, B, C = rng.standard_normal((16, 16)), rng.standard_normal((16, 8)), rng.standard_normal((16, 8))
-    a, b, c = (ch7["fragments"](M, ch7[f"{x}_positions"]) for M, x in ((A, "a"), (B, "b"), (C, "c")))
+    a, b, c = (ch7["fragments"](M, MAPS[x]) for M, x in ((A, "A"), (B, "B"), (C, "C")))
     assert np.array_equal(np.array(a), fragments.gather(A, fragments.a_positions))
     assert np.allclose(np.array(ch7["mma"](a, b, c)), fragments.mma(np.array(a), np.array(b), np.array(c)),
                        rtol=1e-14, atol=1e-14)

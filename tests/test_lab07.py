@@ -80,9 +80,36 @@ def test_there_are_many_known_mistakes_in_every_question():
 
 def test_a_wrong_map_fails_the_product_too():
     a, b, c = _solution("q1")
-    r = run_question("lab07", "q1", [a, lab07._b_halves_swapped, c], seed=3)
+    r = run_question("lab07", "q1", [a, lab07._b_no_pairs, c], seed=3)
     assert r.score == 2
-    assert "D = A B + C is wrong at" in r.feedback and "the halves of B in the wrong order" in r.feedback
+    assert "D = A B + C is wrong at" in r.feedback and "B's k pairs start at t, not 2t" in r.feedback
+
+
+def test_the_maps_are_m16n8k8_s_the_k_0_to_7_half_of_m16n8k16_s():
+    """The relation the lab asks the learner to derive, and the Turing kernel relies on (r3t_mma_m16n8k8.cu): the
+    m16n8k16 A fragment is m16n8k8's for k = 0..7, then the same for k = 8..15; B likewise; C is the same."""
+    for lane in range(32):
+        a8, b8, c8 = (fn(lane) for fn in lab07._K8_MAPS)
+        assert fragments.a_positions(lane) == a8 + [(r, k + 8) for r, k in a8]
+        assert fragments.b_positions(lane) == b8 + [(k + 8, c) for k, c in b8]
+        assert fragments.c_positions(lane) == c8
+
+
+def test_a_k16_product_is_two_emulated_k8_products(rng):
+    A, B, C = rng.standard_normal((16, 16)), rng.standard_normal((16, 8)), rng.standard_normal((16, 8))
+    a8, b8, c8 = lab07._K8_MAPS
+    D = fragments.gather(C, c8)
+    for k0 in (0, 8):
+        D = fragments.mma(fragments.gather(A[:, k0:k0 + 8], a8), fragments.gather(B[k0:k0 + 8], b8), D,
+                          maps=lab07._K8_MAPS)
+    assert np.allclose(fragments.scatter(D, c8, (16, 8)), A @ B + C, rtol=1e-13, atol=1e-13)
+
+
+def test_the_package_s_m16n8k16_maps_handed_in_score_nothing():
+    """Chapter 7 draws m16n8k16's maps from flashlab.fragments; reusing them for k8 is calling the course's answer."""
+    r = run_question("lab07", "q1", [lambda lane: fragments.a_positions(lane)[:4],
+                                     lambda lane: fragments.b_positions(lane)[:2], fragments.c_positions], seed=2)
+    assert r.score == 0 and "calls flashlab.fragments.a_positions" in r.feedback, r.feedback
 
 
 def test_a_map_of_the_wrong_length_is_explained():

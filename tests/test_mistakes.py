@@ -396,3 +396,69 @@ def test_seed_sweep_cli_chooses_the_simulator_itself():
                          env=env, capture_output=True, text=True, timeout=600, cwd=mistakes.ROOT)
     assert out.returncode == 0 and out.stdout.rstrip().endswith("0 misses"), out.stdout[-3000:] + out.stderr[-2000:]
     assert out.stdout.count("ok   Mistake(") == len(mistakes.catalogue(labs))
+
+
+# ------------------------------------------------------------------ chapter 9's record of the slow labs' mistakes
+def _stale(reason: str) -> str:
+    return f"data/mistakes/chapter9.jsonl is out of date ({reason}); regenerate it: {mistakes.RECORD_COMMAND}"
+
+
+def test_the_record_holds_every_mistake_of_the_slow_labs_and_no_other():
+    provenance, reports = mistakes.read_record()
+    assert provenance["command"] == mistakes.RECORD_COMMAND and provenance["seed"] == mistakes.SEED
+    want = {mistakes.record_key(m) for m in mistakes.recorded_mistakes()}
+    missing = sorted(k.replace("\x1f", " | ")[:120] for k in want - set(reports))
+    extra = sorted(k.replace("\x1f", " | ")[:120] for k in set(reports) - want)
+    assert not missing and not extra, _stale(f"missing: {missing}; no longer known: {extra}")
+    assert {m.lab_id for m in mistakes.recorded_mistakes()} == {"lab06"}
+
+
+def test_the_record_command_writes_what_the_showcase_reads(tmp_path, monkeypatch, capsys):
+    command, _, target = mistakes.RECORD_COMMAND.partition(" > ")
+    assert (mistakes.ROOT / target) == mistakes.RECORD and command == "python -m flashlab mistakes --record"
+    monkeypatch.setattr(mistakes, "slow_to_grade", lambda lab_id: "slow here" if lab_id == "lab07" else "")
+    monkeypatch.setattr(mistakes, "recorded_mistakes", lambda lab_ids=None: mistakes.catalogue(["lab07"])[:2])
+    monkeypatch.setattr("flashlab.numba_cuda.use_simulator", lambda: None)  # lab 07 needs no simulator
+    assert mistakes.main(["--record"]) == 0
+    path = tmp_path / "chapter9.jsonl"
+    path.write_text(capsys.readouterr().out)
+    provenance, reports = mistakes.read_record(path)
+    assert provenance["command"] == mistakes.RECORD_COMMAND and provenance["seed"] == mistakes.SEED
+    first, second = mistakes.catalogue(["lab07"])[:2]
+    assert list(reports) == [mistakes.record_key(first), mistakes.record_key(second)]
+    assert reports[mistakes.record_key(second)] == mistakes.report(second)
+
+
+@pytest.mark.slow
+def test_the_recorded_reports_are_what_the_graders_print_today():
+    """Every recorded report is what chapter 9 would print if it graded the mistake live (with the record's seed)."""
+    provenance, reports = mistakes.read_record()
+    if provenance["gpu"] != mistakes.gpu_here():
+        pytest.skip("the record was made on a machine " + ("with" if provenance["gpu"] else "without") + " a GPU")
+    stale = [repr(m) for m in mistakes.recorded_mistakes()
+             if reports.get(mistakes.record_key(m)) != mistakes.report(m, mistakes.SEED)]
+    assert not stale, _stale(f"these report otherwise today: {stale}")
+
+
+def test_the_showcase_grades_one_mistake_of_a_slow_lab_live_and_prints_the_others_recorded(tmp_path, monkeypatch,
+                                                                                            capsys):
+    found = mistakes.catalogue(["lab07"])[:4]
+    record = tmp_path / "record.jsonl"
+    lines = [json.dumps({"provenance": {"command": mistakes.RECORD_COMMAND, "date_utc": "2026-01-02T03:04:05+00:00",
+                                        "seed": mistakes.SEED}})]
+    lines += [json.dumps({"lab": m.lab_id, "question": m.question, "group": m.group, "message": m.message,
+                          "variant": m.variant, "report": f"HEAD {i}\nRECORDED BODY {i}"})
+              for i, m in enumerate(found[:3])]
+    record.write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr(mistakes, "RECORD", record)
+    monkeypatch.setattr(mistakes, "slow_to_grade", lambda lab_id: "slow here" if lab_id == "lab07" else "")
+    monkeypatch.setattr(mistakes, "catalogue", lambda lab_ids=None: found)
+    book = mistakes.Showcase()
+    book.rest(["lab07"])
+    out = capsys.readouterr().out
+    assert "RECORDED BODY 0" not in out and "(recognised)" in out  # the first is graded live
+    assert "HEAD 1\n[recorded on 2026-01-02 by `python -m flashlab mistakes --record`" in out
+    assert "RECORDED BODY 1" in out and "RECORDED BODY 2" in out and "slow here" in out
+    assert out.count("(recognised)") == 2  # the fourth is not in the record: graded live too
+    everything_live = mistakes.Showcase(recorded=False)
+    assert "RECORDED" not in everything_live.report(found[1]) and mistakes.Showcase(seed=7).recorded == {}

@@ -1,7 +1,8 @@
 """Lab 07 — the tensor cores, practised on the CPU through the fragment emulator (:mod:`flashlab.fragments`).
 
-q1: the lane ↔ element maps of the A, B and C operands of ``mma.sync.m16n8k16`` (``a_positions``,
-``b_positions``, ``c_positions``), checked lane by lane and by running the emulated instruction with them.
+q1: the lane ↔ element maps of the A, B and C operands of ``mma.sync.m16n8k8`` (Turing's instruction; chapter 7
+draws m16n8k16's, from which they are derived), as ``a_positions``, ``b_positions``, ``c_positions``, checked lane by
+lane and by running the emulated instruction with them.
 q2: ``softmax_tile``, one key tile of the online softmax on a warp's S fragments (quad reductions with
 ``shfl_xor``, rescaled l and O accumulators). q3: ``swizzle(row, chunk)``, a layout of a d = 128 fp16 tile in
 shared memory whose every ``ldmatrix`` phase takes one pass. q4: ``ldmatrix_rows(lane)``, the row of a 16×16 A tile
@@ -25,73 +26,117 @@ NEEDS_GPU = False
 # The course's own answers (flashlab.grading.answers): calling one scores 0. _softmax_variant with every switch
 # off is a right softmax_tile.
 ANSWERS = {
-    "q1": ("flashlab.fragments.a_positions", "flashlab.fragments.b_positions", "flashlab.fragments.c_positions"),
+    # m16n8k8's maps are the k = 0..7 half of m16n8k16's (and C is the same): the package's are answers too.
+    "q1": ("flashlab.grading.lab07._a8_positions", "flashlab.grading.lab07._b8_positions",
+           "flashlab.grading.lab07._c8_positions", "flashlab.fragments.a_positions", "flashlab.fragments.b_positions",
+           "flashlab.fragments.c_positions"),
     "q2": ("flashlab.fragments.softmax_tile", "flashlab.grading.lab07._softmax_variant"),
     "q3": ("flashlab.fragments.swizzle",),
     "q4": ("flashlab.grading.lab07._ldmatrix_a_rows",),
 }
 
-_OPERANDS = {"A": (16, 16, 8), "B": (16, 8, 4), "C": (16, 8, 4)}  # rows, columns, values per lane
+_OPERANDS = {"A": (16, 8, 4), "B": (8, 8, 2), "C": (16, 8, 4)}  # m16n8k8: rows, columns, values per lane
 
 
 # -------------------------------------------------------------------------------------------- q1: the maps
+# The hardware's maps of mma.sync.m16n8k8 with f16 inputs (PTX ISA, "Matrix Fragments for mma.m16n8k8"): q1's
+# answers. They live here, with the grader, rather than in flashlab.fragments, so that the emulator a learner
+# imports does not hand them out; the student's copy of the package has no body for them (ANSWERS).
+def _a8_positions(lane):
+    g, t = divmod(lane, 4)
+    return [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)]
+
+
+def _b8_positions(lane):
+    g, t = divmod(lane, 4)
+    return [(2 * t, g), (2 * t + 1, g)]
+
+
+def _c8_positions(lane):
+    g, t = divmod(lane, 4)
+    return [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)]
+
+
+#: The maps the emulated m16n8k8 reads its registers through (flashlab.fragments.mma with maps=).
+_K8_MAPS = (_a8_positions, _b8_positions, _c8_positions)
+
+
 def _a_g_t_swapped(lane):
     g, t = lane % 4, lane // 4
-    return [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1),
-            (g, 2 * t + 8), (g, 2 * t + 9), (g + 8, 2 * t + 8), (g + 8, 2 * t + 9)]
+    return [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)]
 
 
 def _a_transposed(lane):
     g, t = divmod(lane, 4)
-    return [(2 * t, g), (2 * t + 1, g), (2 * t, g + 8), (2 * t + 1, g + 8),
-            (2 * t + 8, g), (2 * t + 9, g), (2 * t + 8, g + 8), (2 * t + 9, g + 8)]
+    return [(2 * t, g), (2 * t + 1, g), (2 * t, g + 8), (2 * t + 1, g + 8)]
 
 
 def _a_halves_swapped(lane):
     g, t = divmod(lane, 4)
-    return [(g, 2 * t), (g, 2 * t + 1), (g, 2 * t + 8), (g, 2 * t + 9),
-            (g + 8, 2 * t), (g + 8, 2 * t + 1), (g + 8, 2 * t + 8), (g + 8, 2 * t + 9)]
+    return [(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t + 1)]
 
 
 def _a_no_pairs(lane):
     g, t = divmod(lane, 4)
-    return [(g, t), (g, t + 1), (g + 8, t), (g + 8, t + 1), (g, t + 8), (g, t + 9), (g + 8, t + 8), (g + 8, t + 9)]
+    return [(g, t), (g, t + 1), (g + 8, t), (g + 8, t + 1)]
+
+
+def _a_along_k(lane):
+    g, t = divmod(lane, 4)
+    return [(g, 2 * t), (g, 2 * t + 1), (g, 2 * t + 8), (g, 2 * t + 9)]
+
+
+def _a_k16(lane):
+    g, t = divmod(lane, 4)
+    return [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1),
+            (g, 2 * t + 8), (g, 2 * t + 9), (g + 8, 2 * t + 8), (g + 8, 2 * t + 9)]
 
 
 A_POSITIONS_MUTANTS = [
     Mutant("g and t swapped in A: a lane's group is g = lane // 4 (the row, 0..7) and its place in the group "
            "t = lane % 4 (which pair of columns); you used g = lane % 4 and t = lane // 4.", fn=_a_g_t_swapped),
-    Mutant("A is read transposed (row and column swapped): A is row-major (.row), so each register holds two "
-           "halves of one row g or g + 8, at columns 2t and 2t + 1 (+ 8 for a2, a3).", fn=_a_transposed),
-    Mutant("the +8 halves of A in the wrong order: a1 holds row g + 8 (columns 2t, 2t + 1) and a2 holds row g at "
-           "columns 2t + 8, 2t + 9 — the row moves first, then the k half.", fn=_a_halves_swapped),
+    Mutant("A is read transposed (row and column swapped): A is row-major (.row), 16 rows × 8 columns k, so each "
+           "register holds two halves of one row, g or g + 8, at columns 2t and 2t + 1.", fn=_a_transposed),
+    Mutant("the halves of A in the wrong order: a register holds two consecutive k of one row, so a0 = row g at "
+           "columns 2t, 2t + 1 and a1 = row g + 8 at the same columns.", fn=_a_halves_swapped),
     Mutant("A's column pairs start at t, not 2t: each 32-bit register holds two consecutive halves, so the four "
            "lanes of a group cover columns 0-1, 2-3, 4-5, 6-7 (2t and 2t + 1).", fn=_a_no_pairs),
+    Mutant("A's second register continues along k: m16n8k8's A is only 8 columns wide, so a1 holds row g + 8 at "
+           "columns 2t, 2t + 1, not row g at 2t + 8, 2t + 9 (that is a2 of m16n8k16).", fn=_a_along_k),
+    Mutant("the map of m16n8k16's A (8 values per lane): m16n8k8's A is 16 × 8, two registers (a0, a1) of two "
+           "halves, 4 values per lane — the k = 0..7 half of m16n8k16's fragment.", fn=_a_k16),
 ]
 
 
 def _b_g_t_swapped(lane):
     g, t = lane % 4, lane // 4
-    return [(2 * t, g), (2 * t + 1, g), (2 * t + 8, g), (2 * t + 9, g)]
+    return [(2 * t, g), (2 * t + 1, g)]
 
 
 def _b_transposed(lane):
     g, t = divmod(lane, 4)
-    return [(g, 2 * t), (g, 2 * t + 1), (g, 2 * t + 8), (g, 2 * t + 9)]
+    return [(g, 2 * t), (g, 2 * t + 1)]
 
 
-def _b_halves_swapped(lane):
+def _b_no_pairs(lane):
     g, t = divmod(lane, 4)
-    return [(2 * t, g), (2 * t + 8, g), (2 * t + 1, g), (2 * t + 9, g)]
+    return [(t, g), (t + 1, g)]
+
+
+def _b_k16(lane):
+    g, t = divmod(lane, 4)
+    return [(2 * t, g), (2 * t + 1, g), (2 * t + 8, g), (2 * t + 9, g)]
 
 
 B_POSITIONS_MUTANTS = [
     Mutant("g and t swapped in B: B's column is the group g = lane // 4 and its k pair starts at 2t with "
            "t = lane % 4; you used g = lane % 4 and t = lane // 4.", fn=_b_g_t_swapped),
     Mutant("B is read transposed (row and column swapped): B is column-major (.col): a lane holds column g, at "
-           "k = 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1) — positions are (k, column).", fn=_b_transposed),
-    Mutant("the halves of B in the wrong order: a register holds two consecutive k, so b0 = (2t, 2t + 1) and "
-           "b1 = (2t + 8, 2t + 9), in that order.", fn=_b_halves_swapped),
+           "k = 2t and 2t + 1 — positions are (k, column).", fn=_b_transposed),
+    Mutant("B's k pairs start at t, not 2t: the register b0 holds two consecutive halves of column g, so the four "
+           "lanes of a group cover k = 0-1, 2-3, 4-5, 6-7 (2t and 2t + 1).", fn=_b_no_pairs),
+    Mutant("the map of m16n8k16's B (4 values per lane): m16n8k8's B is 8 × 8, one register b0 of two halves per "
+           "lane — the k = 0..7 half of m16n8k16's fragment.", fn=_b_k16),
 ]
 
 
@@ -151,12 +196,13 @@ def _product_hint(pos: dict[str, np.ndarray | str], t: Trial) -> str:
             lane, reg = (int(x) for x in np.argwhere(bad)[0])
             return (f"lane {lane}'s value {reg} of {name} is at {tuple(int(x) for x in p[lane, reg])}, outside the "
                     f"{rows}×{cols} {name}")
-    A = t.rng.standard_normal((16, 16)).astype(np.float16).astype(np.float64)
-    B = t.rng.standard_normal((16, 8)).astype(np.float16).astype(np.float64)
+    A = t.rng.standard_normal((16, 8)).astype(np.float16).astype(np.float64)
+    B = t.rng.standard_normal((8, 8)).astype(np.float16).astype(np.float64)
     C = t.rng.standard_normal((16, 8))
     frags = {n: np.array([[M[r, c] for r, c in pos[n][lane]] for lane in range(32)]) for n, M in
              (("A", A), ("B", B), ("C", C))}
-    D_frags = fragments.mma(frags["A"], frags["B"], frags["C"])  # the hardware's layout, whatever the maps say
+    # The hardware's layout, whatever the maps say.
+    D_frags = fragments.mma(frags["A"], frags["B"], frags["C"], maps=_K8_MAPS)
     D = np.full((16, 8), np.nan)
     for lane in range(32):
         for (r, c), x in zip(pos["C"][lane], D_frags[lane], strict=True):
@@ -166,19 +212,20 @@ def _product_hint(pos: dict[str, np.ndarray | str], t: Trial) -> str:
     if not wrong.any():
         return ""
     r, c = (int(x) for x in np.argwhere(wrong)[0])
-    return (f"loaded with your maps, run through the emulated mma.sync and read back with your C map, D = A B + C "
-            f"is wrong at {int(wrong.sum())} of 128 elements (first at row {r}, column {c}: expected "
+    return (f"loaded with your maps, run through the emulated mma.sync.m16n8k8 and read back with your C map, "
+            f"D = A B + C is wrong at {int(wrong.sum())} of 128 elements (first at row {r}, column {c}: expected "
             f"{want[r, c]:.4g}, got {D[r, c]:.4g}). The tensor core reads each register where the hardware's "
             "layout puts it: a lane must load exactly the elements that layout assigns to it.")
 
 
 @LAB.question("q1", points=4, objects=("a_positions", "b_positions", "c_positions"))
 def q1(t: Trial, a_positions, b_positions, c_positions) -> None:
-    """a_positions, b_positions, c_positions give, per lane, the elements of A, B, C it holds, in register order."""
+    """a_positions, b_positions, c_positions give, per lane, the elements of m16n8k8's A, B, C it holds, in register
+    order."""
     lanes = list(range(32))  # every lane, in order: the smallest failing input shown is the first failing lane
-    maps = {"A": (a_positions, fragments.a_positions, A_POSITIONS_MUTANTS),
-            "B": (b_positions, fragments.b_positions, B_POSITIONS_MUTANTS),
-            "C": (c_positions, fragments.c_positions, C_POSITIONS_MUTANTS)}
+    maps = {"A": (a_positions, _a8_positions, A_POSITIONS_MUTANTS),
+            "B": (b_positions, _b8_positions, B_POSITIONS_MUTANTS),
+            "C": (c_positions, _c8_positions, C_POSITIONS_MUTANTS)}
     for name, (student, truth, mutants) in maps.items():
         rows, cols, count = _OPERANDS[name]
         cases = [Case((lane,), f"lane {lane}") for lane in lanes]
@@ -187,7 +234,7 @@ def q1(t: Trial, a_positions, b_positions, c_positions) -> None:
                   mutants=mutants, names=("positions",))
     pos = {name: _positions_array(t, maps[name][0], _OPERANDS[name][2]) for name in maps}
     hint = _product_hint(pos, t)
-    t.expect("the emulated mma.sync with your three maps computes D = A B + C", 1, not hint, hint)
+    t.expect("the emulated mma.sync.m16n8k8 with your three maps computes D = A B + C", 1, not hint, hint)
 
 
 # ------------------------------------------------------------------------------ q2: the softmax on fragments
@@ -612,9 +659,9 @@ def _swizzle_demo() -> Demo:
 
 
 KNOWN_MISTAKES = KnownMistakes(
-    demos={"A_POSITIONS_MUTANTS": lambda: _positions_demo(fragments.a_positions),
-           "B_POSITIONS_MUTANTS": lambda: _positions_demo(fragments.b_positions),
-           "C_POSITIONS_MUTANTS": lambda: _positions_demo(fragments.c_positions),
+    demos={"A_POSITIONS_MUTANTS": lambda: _positions_demo(_a8_positions),
+           "B_POSITIONS_MUTANTS": lambda: _positions_demo(_b8_positions),
+           "C_POSITIONS_MUTANTS": lambda: _positions_demo(_c8_positions),
            "SOFTMAX_MUTANTS": _softmax_demo, "SWIZZLE_MUTANTS": _swizzle_demo,
            "LDMATRIX_MUTANTS": lambda: _positions_demo(_ldmatrix_a_rows)},
 )
