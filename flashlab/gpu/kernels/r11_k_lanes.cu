@@ -170,7 +170,8 @@ __device__ void attn_k_lanes(const u16* __restrict__ q, const u16* __restrict__ 
     const u32 tsw = (u32)((lane >> 4) ^ (lane & 7)) << 4;
     const u32 qlane = qs + (wrow + lrow) * D * 2;
 #define SWCOL(C) (((C) & ~7) * 16 + ((((C) & 7) << 4) ^ tsw))
-// K's (B order): row krow, chunk C + lane / 8 % 2; the same arithmetic with its own swizzle term ktsw.
+// K's lane pattern (B order): row lane % 8 + 8 * (lane / 16), chunk C + lane / 8 % 2; the same arithmetic with
+// its own swizzle term ktsw = ((lane / 8 % 2) ^ (lane % 8)) * 16, set in the loop.
 #define KSWCOL(C) (((C) & ~7) * 16 + ((((C) & 7) << 4) ^ ktsw))
 
     float oacc[MT][D / 8][4];
