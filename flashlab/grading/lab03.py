@@ -731,8 +731,8 @@ def _switch_work(**flags):
 
 
 TILE_WORK_MUTANTS = [
-    Mutant("the FLOPs follow the visible pairs, not the tiles: a computed tile is multiplied whole, its hidden "
-           "pairs included. Count 4 r c d for every PARTIAL or FULL tile.", fn=_switch_work(by_pairs=True)),
+    Mutant("FLOPs counted per visible pair instead of per tile: a computed tile is multiplied whole, its hidden "
+           "pairs included. What does a PARTIAL tile cost?", fn=_switch_work(by_pairs=True)),
     Mutant("PARTIAL tiles are computed too: only EMPTY tiles are skipped; a PARTIAL tile costs as much as a FULL "
            "one (its mask is applied after the product).", fn=_switch_work(full_only=True)),
     Mutant("a ragged last tile is smaller: it has min(block_q, n - q0) rows and min(block_k, m - k0) columns, and "
