@@ -755,8 +755,8 @@ def q6(t: Trial, tile_work) -> None:
         n, m, bq, bk, left, right, stride = case.args
         d = int(t.rng.integers(1, 65))
         args = (n, m, d, bq, bk, left, right, stride)
-        cases.append(Case(args, case.label.split(":")[0] + f": d={d}, " + case.label.split(": ", 1)[1],
-                          names=WORK_ARGS))
+        label = case.label.split(":")[0] + ": " + ", ".join(f"{k}={v}" for k, v in zip(WORK_ARGS, args, strict=True))
+        cases.append(Case(args, label, names=WORK_ARGS))
 
     def truth(case: Case):
         n, m, d, bq, bk, left, right, stride = case.args
@@ -804,6 +804,15 @@ KNOWN_MISTAKES = KnownMistakes(
             right=lambda args: _rw(count_q_outer_backward(*args[:2], sram=args[2], block_q=args[3],
                                                           block_k=args[4])),
             names=("reads", "writes")),
+        "TILE_KIND_MUTANTS": lambda: Demo(
+            examples=[("causal, n = 9 queries, m = 14 keys, 3 x 4 tiles", (9, 14, 3, 4, None, 0, 1)),
+                      ("window (5, 2), n = m = 13, 3 x 2 tiles", (13, 13, 3, 2, 5, 2, 1)),
+                      ("dilated: stride 4, left 6, n = m = 8, 1 x 2 tiles", (8, 8, 1, 2, 6, 0, 4)),
+                      ("dilated: stride 3, n = 8, m = 12, 4 x 3 tiles", (8, 12, 4, 3, None, 0, 3))],
+            right=lambda args: _truth_kinds(*args), names=("kinds (0 EMPTY, 1 PARTIAL, 2 FULL)",)),
+        "TILE_WORK_MUTANTS": lambda: Demo(
+            examples=[("window (5, 2), n = m = 13, d = 8, 3 x 2 tiles", (13, 13, 8, 3, 2, 5, 2, 1))],
+            right=lambda args: _work(*args), names=("empty", "partial", "full", "flops")),
     },
     other_diagnoses=[
         OtherDiagnosis("q2", "best_q_outer_blocks", "blocks that do not fit in SRAM",
