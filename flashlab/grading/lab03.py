@@ -54,8 +54,9 @@ ANSWERS = {
     "q2": (*_COUNTERS, "flashlab.iocount.default_blocks", "flashlab.grading.lab03.best_q_outer"),
     "q3": (*_COUNTERS, "flashlab.iocount.default_blocks"),
     "q4": (*_COUNTERS, "flashlab.grading.lab03.count_q_outer_backward", "flashlab.grading.lab03._q_outer_backward"),
-    "q5": _PATTERNS,
-    "q6": _PATTERNS,
+    "q5": (*_PATTERNS, "flashlab.grading.lab03._kinds", "flashlab.grading.lab03._reduce"),
+    "q6": (*_PATTERNS, "flashlab.grading.lab03._kinds", "flashlab.grading.lab03._reduce",
+           "flashlab.grading.lab03.tile_work_of", "flashlab.grading.lab03._work"),
 }
 
 
