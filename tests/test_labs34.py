@@ -239,3 +239,109 @@ def test_a_scale_missing_only_in_dk_is_named_as_such():
         r = run_question("lab04", "q1", [lab04._switch(unscaled="dK")], seed=seed)
         assert "[ok  ] dQ" in r.feedback and "the scale is missing in dK (dQ has it)" in r.feedback, r.feedback
         assert "missing in dQ and dK" not in r.feedback, r.feedback
+
+
+# -------------------------------------------------------------------------------- lab 03: block-sparse tiles
+def _window_shapes():
+    """Edge shapes of the window patterns: n = 1, n and m below a block, ragged, m != n, 1 x 1 tiles, a window
+    wider than a tile, window 0 and no limit on either side, with and without a stride."""
+    rng = np.random.default_rng(3)
+    shapes = [(1, 1, 1, 1, None, 0, 1), (1, 5, 4, 2, 0, 0, 1), (3, 2, 8, 8, None, None, 1), (7, 7, 1, 1, 2, 3, 2),
+              (30, 45, 4, 7, 0, 0, 1), (45, 30, 7, 4, 29, 0, 3), (64, 64, 8, 8, None, 0, 4), (17, 40, 2, 1, 9, 5, 5)]
+    for _ in range(300):
+        n, m = (int(x) for x in rng.integers(1, 60, 2))
+        bq, bk = (int(x) for x in rng.integers(1, 13, 2))
+        left = None if rng.random() < 0.25 else int(rng.integers(0, m))
+        right = None if rng.random() < 0.25 else int(rng.integers(0, n))
+        shapes.append((n, m, bq, bk, left, right, int(rng.integers(1, 7))))
+    return shapes
+
+
+def test_the_tile_kinds_of_the_solution_and_of_the_grader_are_blocksparse_s():
+    from flashlab import blocksparse
+
+    tile_kinds = solution_object("lab03", "tile_kinds")
+    for n, m, bq, bk, left, right, stride in _window_shapes():
+        want = blocksparse.Window(left, right, stride).block_mask(n, m, bq, bk).kinds
+        seen = blocksparse.Window(left, right, stride).mask(n, m)
+        assert np.array_equal(lab03._reduce(seen, bq, bk), want)  # from the element mask, tile by tile
+        assert np.array_equal(lab03._kinds(n, m, bq, bk, left, right, stride), want)  # every switch off
+        assert np.array_equal(tile_kinds(n, m, bq, bk, left, right, stride), want)
+
+
+def test_the_flops_q6_expects_are_what_the_counter_counts():
+    from flashlab import blocksparse
+
+    for n, bq, bk, pattern in ((37, 8, 5, (6, 0, 1)), (64, 16, 8, (None, 0, 1)), (50, 7, 12, (20, 3, 3))):
+        d, sram = 4, 2 * (8 + 16) * 4 + 100
+        kinds = blocksparse.Window(*pattern).block_mask(n, n, bq, bk).kinds
+        *counts, flops = lab03.tile_work_of(kinds, n, n, d, bq, bk)
+        for algorithm in ("q_outer", "kv_outer"):
+            counted = iocount.count(algorithm, n, d, sram=sram, block_q=bq, block_k=bk,
+                                    mask=blocksparse.Window(*pattern))
+            assert flops == counted.flops
+        assert counts == [int(np.count_nonzero(kinds == k)) for k in lab03.KIND_ORDER] and sum(counts) == kinds.size
+        work = solution_object("lab03", "tile_work")(n, n, d, bq, bk, *pattern)
+        assert work == (*counts, flops)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_block_sparse_solution_scores_full_marks(seed):
+    for question, name in (("q5", "tile_kinds"), ("q6", "tile_work")):
+        r = run_question("lab03", question, [solution_object("lab03", name)], seed=seed)
+        assert r.score == r.max_score, r.feedback
+
+
+def test_each_block_sparse_part_holds_the_inputs_its_mistakes_need():
+    from flashlab.grading.core import Trial
+
+    for seed in range(20):
+        t = Trial(seed)
+        windows = [c.args for c in lab03._pattern_cases(t, lab03.WINDOW_KINDS)]
+        dilated = [c.args for c in lab03._pattern_cases(t, lab03.DILATED_KINDS)]
+        assert all(bq != bk for _, _, bq, bk, *_ in windows + dilated)  # tiles not square
+        assert all(stride == 1 for *_, stride in windows) and all(stride > 1 for *_, stride in dilated)
+        assert any(n != m for n, m, *_ in windows) and any(n > m for n, m, *_ in windows)
+        assert all(n % bq or m % bk for n, m, bq, bk, *_ in windows)  # a ragged last tile in every window case
+        assert any(left == right == 0 for _, _, _, _, left, right, _ in windows)  # window 0
+        assert any(left is not None and left > max(bq, bk) for _, _, bq, bk, left, _, _ in windows)
+        assert any(bq + bk - 1 < stride for _, _, bq, bk, _, _, stride in dilated)
+
+
+def test_calling_the_course_s_patterns_scores_zero_however_they_are_reached():
+    from flashlab import blocksparse
+
+    def through_a_constructor(n, m, block_q, block_k, left, right, stride):
+        return blocksparse.dilated(stride, left=left, right=right).block_mask(n, m, block_q, block_k).kinds
+
+    def through_the_class(n, m, block_q, block_k, left, right, stride):
+        return blocksparse.Window(left, right, stride).block_mask(n, m, block_q, block_k).kinds
+
+    def through_the_element_mask(n, m, block_q, block_k, left, right, stride):
+        return lab03._reduce(blocksparse.Window(left, right, stride).mask(n, m), block_q, block_k)
+
+    for cheat, name in ((through_a_constructor, "dilated"), (through_the_class, "_check_size"),
+                        (through_the_element_mask, "_check_size")):
+        r = run_question("lab03", "q5", [cheat], seed=1)
+        assert r.score == 0 and f"calls flashlab.blocksparse.{name} " in r.feedback, r.feedback
+    tile_kinds = solution_object("lab03", "tile_kinds")
+    assert run_question("lab03", "q5", [tile_kinds], seed=1).score == 3  # the constants are not an answer
+    assert np.array_equal(blocksparse.causal().block_mask(5, 5, 2, 2).kinds, tile_kinds(5, 5, 2, 2, None, 0, 1))
+
+
+def test_q6_says_when_the_tile_kinds_it_calls_are_wrong():
+    ns = {"np": np, "EMPTY": 0, "PARTIAL": 1, "FULL": 2, "tile_kinds": lab03.TILE_KIND_MUTANTS[-1].fn}
+    right = solution_object("lab03", "tile_work")
+    tile_work = type(right)(right.__code__, ns)  # looks tile_kinds up in this namespace, as a notebook does
+    with answers.trusted():  # the course's own wrong tile_kinds
+        r = run_question("lab03", "q6", [tile_work], seed=4, uses={"tile_kinds": ns["tile_kinds"]})
+    assert r.score == 0 and "q6 uses your tile_kinds, which fails q5" in r.feedback, r.feedback
+    assert "Likely mistake" not in r.feedback, r.feedback
+
+
+def test_the_block_sparse_mistakes_the_lab_promises_are_named():
+    messages = [m.message for m in mistakes.catalogue(["lab03"]) if m.question in ("q5", "q6")]
+    assert len(messages) >= 8
+    for phrase in ("reaches one tile too far", "boundary tile is treated as FULL", "counts key blocks instead of "
+                   "tokens", "left and right are swapped", "causal alignment is ignored", "counted per visible pair"):
+        assert any(phrase in text for text in messages), phrase

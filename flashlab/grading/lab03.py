@@ -15,6 +15,12 @@ q4: ``q_outer_backward_counts(n, d, sram, block_q, block_k)`` — the backward w
 the student — is graded against :func:`count_q_outer_backward`, which runs that backward through the counter's
 HBM and SRAM (real data, gradients checked against the reference) on every input.
 
+q5: ``tile_kinds(n, m, block_q, block_k, left, right, stride)`` classifies the tiles of a window pattern (chapter 3,
+section 11: ``-left <= delta <= right`` and ``delta % stride == 0``, ``delta = j - (i + m - n)``) as EMPTY, PARTIAL
+or FULL, graded against :mod:`flashlab.blocksparse`, whose patterns the learner may not call. q6:
+``tile_work(n, m, d, block_q, block_k, left, right, stride)`` counts the tiles of each kind and the forward's FLOPs,
+4 r c d per computed tile; it is meant to call the learner's ``tile_kinds``.
+
 Each part's inputs are drawn from fixed kinds (ragged, divisible, smaller than a block, n = 1, and for standard
 attention rows that do not fit in SRAM), so that a mistake fails the same parts whatever the seed.
 """
@@ -22,10 +28,11 @@ attention rows that do not fit in SRAM), so that a mistake fails the same parts 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
-from .. import iocount, reference
+from .. import blocksparse, iocount, reference
 from .core import Case, Lab, Mutant, NotImplementedYet, Trial, allclose, as_outputs
 from .known import Demo, HandWritten, KnownMistakes, OtherDiagnosis
 
@@ -35,12 +42,21 @@ LAB = Lab("lab03", "Counting memory accesses")
 # closed forms answer every question; iocount.count is fine in the notebook's own comparison cells, not inside a
 # graded function.
 _COUNTERS = ("flashlab.iocount.predict", "flashlab.iocount.count", "flashlab.iocount.run")
+# flashlab.blocksparse classifies tiles in its patterns' methods, which ANSWERS cannot list: its constructors are
+# listed, and the two module-level helpers every classification runs (block_mask and mask check the sizes with
+# _check_size; the tile kinds start from _edges), so that a pattern built from its class trips as well.
+_PATTERNS = tuple(f"flashlab.blocksparse.{name}" for name in (
+    "causal", "sliding_window", "dilated", "local_global", "from_mask", "from_blocks", "as_pattern", "_check_size",
+    "_edges"))
 ANSWERS = {
     "q1": (*_COUNTERS, "flashlab.grading.lab03._standard", "flashlab.grading.lab03._kv_outer",
            "flashlab.grading.lab03._q_outer"),
     "q2": (*_COUNTERS, "flashlab.iocount.default_blocks", "flashlab.grading.lab03.best_q_outer"),
     "q3": (*_COUNTERS, "flashlab.iocount.default_blocks"),
     "q4": (*_COUNTERS, "flashlab.grading.lab03.count_q_outer_backward", "flashlab.grading.lab03._q_outer_backward"),
+    "q5": (*_PATTERNS, "flashlab.grading.lab03._kinds", "flashlab.grading.lab03._reduce"),
+    "q6": (*_PATTERNS, "flashlab.grading.lab03._kinds", "flashlab.grading.lab03._reduce",
+           "flashlab.grading.lab03.tile_work_of", "flashlab.grading.lab03._work"),
 }
 
 
@@ -494,6 +510,263 @@ def q4(t: Trial, q_outer_backward_counts) -> None:
               reference=counted, mutants=Q_OUTER_BACKWARD_MUTANTS, names=("reads", "writes"), rtol=0, atol=0.5)
 
 
+# ------------------------------------------------------------------------- q5, q6: the tiles of a block-sparse pattern
+def _window_limits(n: int, m: int, left, right) -> tuple[int, int]:
+    """The window as bounds on delta; a side of None is a bound beyond any delta (no limit)."""
+    return (-(n + m) if left is None else -left), (n + m if right is None else right)
+
+
+def _kinds(n, m, bq, bk, left, right, stride, *, tile_end=0, left_open=False, no_partial=False,
+           full_right_only=False, stride_full=True, stride_empty=True, swap=False, aligned=True, clip=True,
+           floor=False, zero_is_none=False):
+    """Tile kinds of the window pattern from each tile's range of delta, with one switch per mistake (defaults =
+    right): the grader's own implementation, independent of :mod:`flashlab.blocksparse`."""
+    if swap:
+        left, right = right, left
+    if zero_is_none:
+        left, right = left or None, right or None
+    offset = m - n if aligned else 0
+    t_r, t_c = (n // bq, m // bk) if floor else (math.ceil(n / bq), math.ceil(m / bk))
+    q0, k0 = np.arange(t_r)[:, None] * bq, np.arange(t_c)[None, :] * bk
+    q1, k1 = (np.minimum(q0 + bq, n), np.minimum(k0 + bk, m)) if clip else (q0 + bq, k0 + bk)
+    lo, hi = k0 - (q1 - 1 + tile_end) - offset, (k1 - 1 + tile_end) - q0 - offset
+    a, b = _window_limits(n, m, left, right)
+    a += 1 if left_open and left is not None else 0
+    first, last = np.maximum(lo, a), np.minimum(hi, b)
+    step = stride if stride_empty else 1
+    empty = (last // step) * step < first
+    full = (hi <= b) if full_right_only else (lo >= a) & (hi <= b)
+    if stride_full:
+        full &= (stride == 1) | ((lo == hi) & (lo % stride == 0))
+    if no_partial:
+        full = np.ones_like(empty)
+    return np.where(empty, blocksparse.EMPTY, np.where(full, blocksparse.FULL, blocksparse.PARTIAL))
+
+
+def _reduce(seen: np.ndarray, bq: int, bk: int) -> np.ndarray:
+    """Tile kinds of an element mask: EMPTY when no pair of the tile is seen, FULL when all are."""
+    n, m = seen.shape
+    rows, cols = np.arange(0, n, bq), np.arange(0, m, bk)
+    count = np.add.reduceat(np.add.reduceat(seen.astype(np.int64), rows, axis=0), cols, axis=1)
+    size = np.outer(np.minimum(rows + bq, n) - rows, np.minimum(cols + bk, m) - cols)
+    return np.where(count == 0, blocksparse.EMPTY, np.where(count == size, blocksparse.FULL, blocksparse.PARTIAL))
+
+
+def _stride_on_blocks(n, m, bq, bk, left, right, stride):
+    """Dilated over key blocks: key j is seen when its block lies a multiple of the stride (in blocks) away from the
+    block of the query's position."""
+    position = np.arange(n)[:, None] + m - n
+    keys = np.arange(m)[None, :]
+    a, b = _window_limits(n, m, left, right)
+    seen = (keys - position >= a) & (keys - position <= b) & ((keys // bk - position // bk) % stride == 0)
+    return _reduce(seen, bq, bk)
+
+
+def _switch_kinds(**flags):
+    def tile_kinds(n, m, block_q, block_k, left, right, stride):
+        return _kinds(n, m, block_q, block_k, left, right, stride, **flags)
+
+    return tile_kinds
+
+
+TILE_KIND_MUTANTS = [
+    Mutant("the window's left side includes its end: -left <= delta, so sliding window (w, 0) sees the last w + 1 "
+           "tokens, its own included. Look at the tiles where delta = -left is the only visible difference.",
+           fn=_switch_kinds(left_open=True)),
+    Mutant("the window reaches one tile too far: a tile's last query is q1 - 1 and its last key k1 - 1, so its "
+           "deltas run from k0 - (q1 - 1) - (m - n) to (k1 - 1) - q0 - (m - n). Look at the tiles just outside the "
+           "window's edges.", fn=_switch_kinds(tile_end=1)),
+    Mutant("a boundary tile is treated as FULL: a tile that the window's edge crosses has hidden pairs, and FULL "
+           "means no mask at all. Which tiles need a mask element by element?", fn=_switch_kinds(no_partial=True)),
+    Mutant("the window's left edge is forgotten when a tile is called FULL: a tile inside the right edge but "
+           "crossing the left one still has hidden pairs. Check both ends of the tile's range of delta.",
+           fn=_switch_kinds(full_right_only=True)),
+    Mutant("the stride counts key blocks instead of tokens: dilated attention keeps every stride-th token, "
+           "delta % stride == 0, whatever the tiles. Look at what one tile's range of delta holds.",
+           fn=_stride_on_blocks),
+    Mutant("a dilated tile is never FULL (unless it holds one pair): the stride hides the pairs between multiples, "
+           "so a tile inside the window is PARTIAL. What does the stride do inside one tile?",
+           fn=_switch_kinds(stride_full=False)),
+    Mutant("a tile narrower than the stride can hold no multiple of it: such a tile is EMPTY even inside the "
+           "window. Look at the tiles whose range of delta is shorter than the stride.",
+           fn=_switch_kinds(stride_empty=False)),
+    Mutant("left and right are swapped: left counts keys before the query's position (delta < 0), right keys "
+           "after it (delta > 0).", fn=_switch_kinds(swap=True)),
+    Mutant("the causal alignment is ignored when m != n: query i stands at position i + m - n, so delta = "
+           "j - (i + m - n), not j - i. Look at the inputs where m != n.", fn=_switch_kinds(aligned=False)),
+    Mutant("the ragged last tile is treated as whole: it ends at the last query (n) or key (m), not a block "
+           "further. Look at the last row and column of tiles.", fn=_switch_kinds(clip=False)),
+    Mutant("n // block_q (or m // block_k) drops the ragged last tile: there are ceil(n / block_q) x "
+           "ceil(m / block_k) tiles.", fn=_switch_kinds(floor=True)),
+    Mutant("a side of 0 tokens is treated as no limit: `if right:` is False for 0 as for None. A side of 0 is "
+           "a limit (causal is (None, 0)); only None means none.", fn=_switch_kinds(zero_is_none=True)),
+]
+
+
+def _truth_kinds(n, m, bq, bk, left, right, stride) -> np.ndarray:
+    return blocksparse.Window(left, right, stride).block_mask(n, m, bq, bk).kinds
+
+
+#: Argument names of a tile-kinds case, shown in feedback.
+KIND_ARGS = ("n", "m", "block_q", "block_k", "left", "right", "stride")
+
+
+def _draw_pattern_case(t: Trial, kind: str) -> tuple[tuple, str]:
+    """(n, m, block_q, block_k, left, right, stride) of one kind; block_q != block_k (tiles are not square)."""
+    ints = lambda lo, hi: int(t.rng.integers(lo, hi + 1))  # noqa: E731
+    while True:
+        bq, bk = ints(2, 12), ints(2, 12)
+        n, m = ints(3 * max(bq, bk) + 1, 90), ints(3 * max(bq, bk) + 1, 90)
+        left, right, stride = None, 0, 1
+        if kind == "causal, n = m, last query tile of one row":
+            n = m = bq * ints(3, 8) + 1
+        elif kind == "causal, m > n":
+            m = n + ints(1, 40)
+        elif kind == "causal, n > m":
+            n = m + ints(1, 40)
+        elif kind == "window (left, 0), its edge on a tile's last key":
+            i, j = ints(1, math.ceil(n / bq) - 1), ints(0, math.ceil(m / bk) - 1)
+            left = i * bq + m - n - min((j + 1) * bk, m) + 1  # the tile's largest delta is -left
+        elif kind == "window (left, right), both wider than a tile":
+            left, right = ints(max(bq, bk) + 1, m - 1), ints(max(bq, bk) + 1, n - 1)
+        elif kind == "window (0, 0): the diagonal only":
+            left = 0
+        elif kind == "window (None, right): no limit on the left":
+            right = ints(1, n - 1)
+        elif kind == "window (left, right), n > m":
+            n = m + ints(1, 30)
+            left, right = ints(0, m - 1), ints(1, min(n - 1, 2 * bk))
+        elif kind == "dilated (None, 0), m > n":
+            m, stride = n + ints(1, 40), ints(2, 6)
+        elif kind == "dilated window (left, 0), n > m":
+            n, stride = m + ints(1, 30), ints(2, 6)
+            left = ints(2 * max(bq, bk), m - 1)
+        elif kind == "dilated, tiles narrower than the stride":
+            bq, bk = ((1, 2), (2, 1), (1, 3), (3, 1), (2, 3))[ints(0, 4)]
+            n, m, stride = ints(12, 40), ints(12, 40), ints(bq + bk, 9)
+            left, right = ints(stride, m - 1), ints(0, min(n - 1, stride))
+        else:  # "dilated window (left, right)"
+            stride = ints(2, 5)
+            left, right = ints(0, m - 1), ints(0, n - 1)
+        if bq == bk or left is not None and not 0 <= left <= m - 1 or right is not None and right > n - 1:
+            continue
+        if left is not None and right is not None and left == right and left != 0:
+            continue  # left != right, so that swapping them shows
+        if stride == 1 and n % bq == 0 and m % bk == 0:
+            continue  # a ragged last tile on one side at least
+        if stride > 1:  # the dilated part tests the stride alone: the same wrong code earns the same points
+            n, m = n - n % bq, m - m % bk  # no ragged tile (the windows part has them)
+            if left is not None and (left > m - 1 or left % stride == 0) or right is not None and right > n - 1:
+                continue  # the window's edges hold no multiple of the stride: their off-by-ones do not show here
+        args = (n, m, bq, bk, left, right, stride)
+        return args, f"{kind}: " + ", ".join(f"{k}={v}" for k, v in zip(KIND_ARGS, args, strict=True))
+
+
+WINDOW_KINDS = ("causal, n = m, last query tile of one row", "causal, m > n", "causal, n > m",
+                "window (left, 0), its edge on a tile's last key", "window (left, right), both wider than a tile",
+                "window (0, 0): the diagonal only", "window (None, right): no limit on the left",
+                "window (left, right), n > m")
+DILATED_KINDS = ("dilated (None, 0), m > n", "dilated window (left, 0), n > m",
+                 "dilated, tiles narrower than the stride", "dilated window (left, right)")
+
+
+def _pattern_cases(t: Trial, kinds: Sequence[str], repeat: int = 1) -> list[Case]:
+    cases = []
+    for kind in kinds:
+        for _ in range(repeat):
+            args, label = _draw_pattern_case(t, kind)
+            cases.append(Case(args, label, names=KIND_ARGS))
+    return cases
+
+
+@LAB.question("q5", points=3, objects=("tile_kinds",))
+def q5(t: Trial, tile_kinds) -> None:
+    """tile_kinds(n, m, block_q, block_k, left, right, stride): EMPTY / PARTIAL / FULL of every tile."""
+    def truth(case: Case):
+        return _truth_kinds(*case.args)
+
+    t.compare("sliding windows and causal", 2, student=tile_kinds, cases=_pattern_cases(t, WINDOW_KINDS),
+              reference=truth, mutants=TILE_KIND_MUTANTS, names=("kinds",), rtol=0, atol=0)
+    t.compare("dilated", 1, student=tile_kinds, cases=_pattern_cases(t, DILATED_KINDS), reference=truth,
+              mutants=TILE_KIND_MUTANTS, names=("kinds",), rtol=0, atol=0)
+
+
+#: The order of the counts tile_work returns: empty, partial, full.
+KIND_ORDER = (blocksparse.EMPTY, blocksparse.PARTIAL, blocksparse.FULL)
+
+
+def tile_work_of(kinds: np.ndarray, n: int, m: int, d: int, bq: int, bk: int) -> tuple[int, int, int, int]:
+    """(empty, partial, full, FLOPs): the tiles of each kind, and 4 r c d for every computed tile of r rows and
+    c columns (chapter 3, section 11: what :func:`flashlab.iocount.predict` sums)."""
+    rows = np.minimum(np.arange(kinds.shape[0]) * bq + bq, n) - np.arange(kinds.shape[0]) * bq
+    cols = np.minimum(np.arange(kinds.shape[1]) * bk + bk, m) - np.arange(kinds.shape[1]) * bk
+    flops = 4 * d * int(np.outer(rows, cols)[kinds != blocksparse.EMPTY].sum())
+    return tuple(int(np.count_nonzero(kinds == k)) for k in KIND_ORDER) + (flops,)
+
+
+
+def _work(n, m, d, bq, bk, left, right, stride, *, by_pairs=False, full_only=False, whole_tiles=False,
+          products=2, dense=False):
+    """tile_work with one switch per mistake (defaults = right)."""
+    kinds = _truth_kinds(n, m, bq, bk, left, right, stride)
+    counts = tile_work_of(kinds, n, m, d, bq, bk)[:3]
+    if by_pairs:
+        flops = 4 * d * int(blocksparse.Window(left, right, stride).mask(n, m).sum())
+    elif dense:
+        flops = 4 * n * m * d
+    else:
+        kept = kinds == blocksparse.FULL if full_only else kinds != blocksparse.EMPTY
+        if whole_tiles:
+            flops = 4 * bq * bk * d * int(np.count_nonzero(kept))
+        else:
+            flops = tile_work_of(np.where(kept, blocksparse.FULL, blocksparse.EMPTY), n, m, d, bq, bk)[3]
+        flops = flops * products // 2
+    return (*counts, flops)
+
+
+def _switch_work(**flags):
+    def tile_work(n, m, d, block_q, block_k, left, right, stride):
+        return _work(n, m, d, block_q, block_k, left, right, stride, **flags)
+
+    return tile_work
+
+
+TILE_WORK_MUTANTS = [
+    Mutant("FLOPs counted per visible pair instead of per tile: a computed tile is multiplied whole, its hidden "
+           "pairs included. What does a PARTIAL tile cost?", fn=_switch_work(by_pairs=True)),
+    Mutant("PARTIAL tiles are computed too: only EMPTY tiles are skipped; a PARTIAL tile costs as much as a FULL "
+           "one (its mask is applied after the product).", fn=_switch_work(full_only=True)),
+    Mutant("a ragged last tile is smaller: it has min(block_q, n - q0) rows and min(block_k, m - k0) columns, and "
+           "costs 4 r c d for its own r and c.", fn=_switch_work(whole_tiles=True)),
+    Mutant("both products count: S = Q K^T and O = P V are 2 r c d each, 4 r c d per tile.",
+           fn=_switch_work(products=1)),
+    Mutant("EMPTY tiles are skipped: they cost no FLOPs, so the count is below dense attention's 4 n m d.",
+           fn=_switch_work(dense=True)),
+]
+
+#: Argument names of a tile-work case.
+WORK_ARGS = ("n", "m", "d", "block_q", "block_k", "left", "right", "stride")
+
+
+@LAB.question("q6", points=1, objects=("tile_work",), uses=("tile_kinds",))
+def q6(t: Trial, tile_work) -> None:
+    """tile_work(n, m, d, block_q, block_k, left, right, stride): tiles of each kind and the forward's FLOPs."""
+    cases = []
+    for case in _pattern_cases(t, WINDOW_KINDS[:2] + WINDOW_KINDS[3:5] + DILATED_KINDS[:2]):
+        n, m, bq, bk, left, right, stride = case.args
+        d = int(t.rng.integers(1, 65))
+        args = (n, m, d, bq, bk, left, right, stride)
+        label = case.label.split(":")[0] + ": " + ", ".join(f"{k}={v}" for k, v in zip(WORK_ARGS, args, strict=True))
+        cases.append(Case(args, label, names=WORK_ARGS))
+
+    def truth(case: Case):
+        n, m, d, bq, bk, left, right, stride = case.args
+        return tile_work_of(_truth_kinds(n, m, bq, bk, left, right, stride), n, m, d, bq, bk)
+
+    t.compare("tiles of each kind and FLOPs", 1, student=tile_work, cases=cases, reference=truth,
+              mutants=TILE_WORK_MUTANTS, names=("empty", "partial", "full", "flops"), rtol=0, atol=0.5)
+
+
 # ------------------------------------------------------------------------------ chapter 9: the known mistakes
 def _counts_demo(algorithm: str, examples: list[tuple[str, tuple]]) -> Demo:
     return Demo(
@@ -532,6 +805,15 @@ KNOWN_MISTAKES = KnownMistakes(
             right=lambda args: _rw(count_q_outer_backward(*args[:2], sram=args[2], block_q=args[3],
                                                           block_k=args[4])),
             names=("reads", "writes")),
+        "TILE_KIND_MUTANTS": lambda: Demo(
+            examples=[("causal, n = 9 queries, m = 14 keys, 3 x 4 tiles", (9, 14, 3, 4, None, 0, 1)),
+                      ("window (5, 2), n = m = 13, 3 x 2 tiles", (13, 13, 3, 2, 5, 2, 1)),
+                      ("dilated: stride 4, left 6, n = m = 8, 1 x 2 tiles", (8, 8, 1, 2, 6, 0, 4)),
+                      ("dilated: stride 3, n = 8, m = 12, 4 x 3 tiles", (8, 12, 4, 3, None, 0, 3))],
+            right=lambda args: _truth_kinds(*args), names=("kinds (0 EMPTY, 1 PARTIAL, 2 FULL)",)),
+        "TILE_WORK_MUTANTS": lambda: Demo(
+            examples=[("window (5, 2), n = m = 13, d = 8, 3 x 2 tiles", (13, 13, 8, 3, 2, 5, 2, 1))],
+            right=lambda args: _work(*args), names=("empty", "partial", "full", "flops")),
     },
     other_diagnoses=[
         OtherDiagnosis("q2", "best_q_outer_blocks", "blocks that do not fit in SRAM",
