@@ -463,3 +463,51 @@ def test_grading_refuses_without_a_sandbox_unless_told(tmp_path, monkeypatch, ca
     assert batch.main([str(tmp_path / "x.ipynb")]) == 2
     err = capsys.readouterr().err
     assert "bwrap not found (test)" in err and "apt-get install bubblewrap" in err and "--no-sandbox" in err
+
+
+# A lab's given quick-look cells compare the learner's code with the package's (lab 03: iocount.count). In the
+# sandbox that function is a stub raising AnswerCalled, so the given cell raises whatever the learner wrote.
+LAB03_CHEAT = '''
+def standard_counts(n, d, sram, block_q, block_k):
+    from flashlab import iocount
+    c = iocount.count("standard", n, d, sram=sram, block_q=block_q, block_k=block_k)
+    return c.reads, c.writes
+'''
+LAB03_OWN_CELL = '''
+def standard_counts(n, d, sram, block_q, block_k):
+    return counted.reads, counted.writes
+
+
+from flashlab import iocount
+counted = iocount.count("standard", 301, 16, sram=2000, block_q=24, block_k=20)
+'''
+
+
+@pytest.fixture(scope="module")
+def lab03_batch(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lab03")
+    solution = next((ROOT / "solutions").glob("lab03_*.ipynb"))
+    for name, extra in (("answer_in_function", LAB03_CHEAT), ("answer_in_own_cell", LAB03_OWN_CELL)):
+        nb = nbformat.read(solution, as_version=4)
+        at = next(i for i, c in enumerate(nb.cells) if "def standard_counts(" in c.source)
+        nb.cells.insert(at + 1, nbformat.v4.new_code_cell(extra))
+        nbformat.write(nb, d / f"{name}.ipynb")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        batch.main([str(d), "--json", "--timeout", "120", "--seed", "5", *SANDBOX_FLAGS])
+    return {pathlib.Path(r["path"]).stem: r for r in map(json.loads, buf.getvalue().splitlines())}
+
+
+def test_a_given_cell_that_reaches_an_answer_is_not_named_as_the_learners_error(lab03_batch):
+    r = lab03_batch["answer_in_function"]
+    q1 = next(q for q in r["questions"] if q["name"] == "q1")
+    assert q1["score"] == 0 and "the course's own answer to this question" in q1["feedback"]
+    assert r["notebook_error"] is None and "first error" not in q1["feedback"]
+
+
+def test_a_learners_own_cell_that_reaches_an_answer_is_named(lab03_batch):
+    r = lab03_batch["answer_in_own_cell"]
+    assert r["notebook_error"] and "raised AnswerCalled" in r["notebook_error"], r["notebook_error"]
+    q1 = next(q for q in r["questions"] if q["name"] == "q1")
+    assert q1["score"] < q1["max_score"]
+    assert q1["feedback"].startswith(f"Your notebook's first error: {r['notebook_error']}")

@@ -62,7 +62,9 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import functools
 import glob
+import hashlib
 import importlib
 import json
 import math
@@ -196,6 +198,31 @@ def _checked_questions(lab_id: str, raw: object) -> list[dict] | None:
             return None
         out.append({"name": q.name, "score": float(score), "max_score": q.points, "feedback": feedback[:20_000]})
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _given_cells(lab_id: str) -> frozenset[str]:
+    """Digests of the code cells of the released lab (``labs/``): the cells a learner is given, not written."""
+    found = sorted((ROOT / "labs").glob(f"{lab_id}_*.ipynb"))
+    if not found:
+        return frozenset()
+    cells = json.loads(found[0].read_text()).get("cells", [])
+    return frozenset(_digest("".join(c.get("source", ""))) for c in cells if c.get("cell_type") == "code")
+
+
+def _digest(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
+def _first_relevant_error(errors: object, lab_id: str) -> object:
+    """The first error worth naming to the learner. A given cell that reaches one of the course's answers (a
+    quick look comparing the learner's code with the package) raises AnswerCalled in the sandbox's copy of the
+    package by design; that error says nothing about the learner's work, so the next one is named instead."""
+    for error in errors if isinstance(errors, list) else ():
+        if isinstance(error, dict) and not (error.get("ename") == "AnswerCalled"
+                                            and error.get("source") in _given_cells(lab_id)):
+            return error
+    return None
 
 
 def _first_error_text(first: object) -> str | None:
@@ -368,7 +395,7 @@ def _judge(path: pathlib.Path, lab_id: str, seed: int, proc: subprocess.Popen, w
         return failed("the worker stopped before the notebook ran")
     if head == "error":
         return _error_row(path, str(info.get("error"))[:500], lab_id)
-    first_error = _first_error_text(info.get("first_error"))
+    first_error = _first_error_text(_first_relevant_error(info.get("errors"), lab_id))
     if head == "result":  # judged inside the sandbox (JUDGED_INSIDE)
         questions = _checked_questions(lab_id, info.get("questions"))
         if questions is None:
@@ -475,13 +502,19 @@ def _hideable(p: pathlib.Path) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ the worker
-def _first_error(cells: list) -> dict | None:
-    """The notebook's first error output: later errors are usually its consequences (a NameError, say)."""
+MAX_ERRORS = 50  # error cells reported from the sandbox; the grader names the first relevant one
+
+
+def _errors(cells: list) -> list[dict]:
+    """The notebook's error outputs in order, each with its cell's number and source digest: the first is usually
+    the cause of the later ones (a NameError, say)."""
+    found = []
     for number, cell in enumerate(cells, start=1):
         for out in cell.get("outputs", []) if cell.get("cell_type") == "code" else []:
-            if out.get("output_type") == "error":
-                return {"cell": number, "ename": str(out.get("ename", "")), "evalue": str(out.get("evalue", ""))}
-    return None
+            if out.get("output_type") == "error" and len(found) < MAX_ERRORS:
+                found.append({"cell": number, "ename": str(out.get("ename", "")), "evalue": str(out.get("evalue", "")),
+                              "source": _digest(str(cell.get("source", "")))})
+    return found
 
 
 def _worker(notebook: str, requests: str, lab_id: str, timeout: float, mode: str, seed: str) -> int:
@@ -541,11 +574,11 @@ def _worker(notebook: str, requests: str, lab_id: str, timeout: float, mode: str
         with client.setup_kernel():
             for index, cell in enumerate(list(nb.cells)):
                 client.execute_cell(cell, index, execution_count=client.code_cells_executed + 1)
-            first = _first_error(student)
+            errors = _errors(student)
             if mode == "inside":
-                say("result", {"questions": _grade_here(client, nb, lab_id, timeout, int(seed)), "first_error": first})
+                say("result", {"questions": _grade_here(client, nb, lab_id, timeout, int(seed)), "errors": errors})
                 return 0
-            say("ready", {"first_error": first})
+            say("ready", {"errors": errors})
             serving = True
             nb.cells.append(nbformat.v4.new_code_cell(""))
             slot = len(nb.cells) - 1
