@@ -124,7 +124,8 @@ def test_chapter7_prints_rungs_9_to_11_from_their_run_under_both_protocols(ch7_l
                                               for ref in ("sdpa_flash", "sdpa_cudnn"))
                 assert (f"{name:<11} d = {d:<3} {protocol:<10}: {f_lo:.2f}–{f_hi:.2f}x SDPA flash, "
                         f"{c_lo:.2f}–{c_hi:.2f}x cuDNN") in printed
-    gains = {p: "{:+.1f}% to {:+.1f}%".format(*(100 * (x - 1) for x in speedup_span(rows, "k_lanes", "one_barrier", p, 128)))
+    gains = {p: "{:+.1f}% to {:+.1f}%".format(*(100 * (x - 1) for x in speedup_span(rows, "k_lanes", "one_barrier",
+                                                                                      p, 128)))
              for p in records.PROTOCOLS}
     assert f"rung 11 over rung 10, d = 128: {gains['throughput']} (throughput), {gains['latency']} (latency)" in printed
 
