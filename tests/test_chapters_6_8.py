@@ -18,6 +18,7 @@ import pytest
 
 from flashlab import gpu as fgpu
 from flashlab import records
+from flashlab.bench import forward
 from flashlab.gpu import backward as gbwd
 from flashlab.gpu import rungs
 
@@ -78,16 +79,103 @@ def ratio_span(rows: list[dict], a: str, b: str, d: int | None = None) -> str:
     return f"{100 * min(vals):.0f}–{100 * max(vals):.0f}%"
 
 
-def test_chapter7_prints_rung9_ranges_computed_from_the_ladder_record(ch7_ladder):
+def test_chapter7_prints_the_top_rungs_ranges_computed_from_the_ladder_record(ch7_ladder):
     ns, printed, shown = ch7_ladder
     rows = records.read_record(RECORD_READ.search(text(cell_by_id(CH7, "705bd2bb")))[1])["rows"]  # the chapter's
     assert rows == ns["ladder"]["rows"]
+    ladder = [name for name in fgpu.RUNGS if name not in fgpu.SIDE_STEPS]
+    timed = {r["impl"] for r in rows if "error" not in r}
+    top = [name for name in ladder if name in timed][-1]  # the last rung the record timed
     for d in (128, 64):
-        want = ratio_span(rows, "addressing", "sdpa_flash", d)
-        assert f"d = {d:<3}: rung 9 runs at {want} of SDPA flash" in printed
+        want = ratio_span(rows, top, "sdpa_flash", d)
+        assert f"d = {d:<3}: rung {ladder.index(top) + 1} (`{top}`) runs at {want} of SDPA flash" in printed
+    untimed = [f"rung {ladder.index(name) + 1} ({name})" for name in ladder if name not in timed]
+    assert ("not in the ladder record: " + ", ".join(untimed) in printed) == bool(untimed)
     summary = shown[-1]
     assert f"{ratio_span(rows, 'addressing', 'sdpa_flash')} of SDPA flash" in summary
     assert f"{ratio_span(rows, 'lean', 'sdpa_flash', 128)} of SDPA flash" in summary
+    # rungs 10 and 11 come from the ladder record when it has them, else from their own run, marked so
+    for name in ("one_barrier", "k_lanes"):
+        assert (f"`{name}` †" in summary) == (name not in timed)
+    assert ("† not in the ladder record" in summary) == bool({"one_barrier", "k_lanes"} - timed)
+
+
+def speedup_span(rows: list[dict], a: str, b: str, protocol: str, d: int) -> tuple[float, float]:
+    """(min, max) of time(b) / time(a) over a record's shapes at one d under one protocol, computed here."""
+    ms = {(r["impl"], r["protocol"], r["d"], r["n"], r["causal"]): r["median_ms"] for r in rows if "error" not in r}
+    vals = [ms[(b, *k[1:])] / t for k, t in ms.items() if k[0] == a and k[1:3] == (protocol, d)]
+    return min(vals), max(vals)
+
+
+def test_chapter7_prints_rungs_9_to_11_from_their_run_under_both_protocols(ch7_ladder):
+    ns, _, _ = ch7_ladder
+    shown: list[str] = []
+    ns["display"] = lambda obj: shown.append(obj.data)
+    printed = run_cells(CH7, ["rung-code-helper", "rung-probe"], ns)
+    probe = records.read_record(forward.RUNG_PROBE)  # the run of rungs 9-11, as the package names it
+    assert ns["probe"] == probe and probe["provenance"]["command"] in printed
+    assert "| k_lanes | throughput |" in shown[-1] and "| k_lanes | latency |" in shown[-1]
+    assert "d=128 n=1024 causal" in shown[-1]  # the probe's own shapes, not only the ladder's columns
+    rows = probe["rows"]
+    for name in ("addressing", "one_barrier", "k_lanes"):
+        for d in (128, 64):
+            for protocol in records.PROTOCOLS:
+                (f_lo, f_hi), (c_lo, c_hi) = (speedup_span(rows, name, ref, protocol, d)
+                                              for ref in ("sdpa_flash", "sdpa_cudnn"))
+                assert (f"{name:<11} d = {d:<3} {protocol:<10}: {f_lo:.2f}–{f_hi:.2f}x SDPA flash, "
+                        f"{c_lo:.2f}–{c_hi:.2f}x cuDNN") in printed
+    gains = {p: "{:+.1f}% to {:+.1f}%".format(*(100 * (x - 1) for x in speedup_span(rows, "k_lanes", "one_barrier",
+                                                                                      p, 128)))
+             for p in records.PROTOCOLS}
+    assert f"rung 11 over rung 10, d = 128: {gains['throughput']} (throughput), {gains['latency']} (latency)" in printed
+
+
+def test_chapter7_says_of_rungs_10_and_11_what_their_run_shows(ch7_ladder):
+    """The prose after the run of rungs 9-11 describes it in words; each claim is checked against the record."""
+    ns, _, _ = ch7_ladder
+    lesson = text(cell_by_id(CH7, "rung-probe-lesson"))
+    rows = [r for r in records.read_record(forward.RUNG_PROBE)["rows"] if "error" not in r]
+    ms = {(r["impl"], r["protocol"], r["d"], r["n"], r["causal"]): r["median_ms"] for r in rows}
+    shapes = {k[1:] for k in ms}
+    gain10 = {s: ms[("addressing", *s)] / ms[("one_barrier", *s)] for s in shapes}
+    # "a few percent or less at all shapes but one"; that one has rung 9 slower than in the protocols record
+    (odd, *_), rest = sorted(gain10, key=gain10.get, reverse=True), sorted(gain10.values())[:-1]
+    assert "Rung 10 gains a few percent or less at all shapes but one" in lesson and max(rest) < 1.06
+    protocol, d, n, causal = odd
+    assert f"($d = {d}$, n = {n},\n{'causal' if causal else 'non-causal'}, {protocol})" in lesson
+    both = ns["both"]["rows"]  # the protocols record, as the chapter read it
+    earlier = next(r["median_ms"] for r in both if (r["impl"], r["protocol"], r["d"], r["n"], r["causal"])
+                   == ("addressing", *odd))
+    assert ms[("addressing", *odd)] > earlier
+    # rung 11: prediction +5-10% at d = 128 (met or beaten at all shapes but one), ahead of SDPA flash there
+    gain11 = {s: ms[("one_barrier", *s)] / ms[("k_lanes", *s)] for s in shapes}
+    assert "+5–10% at\n$d = 128$" in text(cell_by_id(CH7, "rung-diff-11-text"))
+    assert sum(g < 1.05 for s, g in gain11.items() if s[1] == 128) == 1
+    assert all(ms[("sdpa_flash", *s)] > ms[("k_lanes", *s)] for s in shapes if s[1] == 128)
+    # at d = 64 (predicted +3-8%) it gains less than predicted and stays below SDPA flash
+    assert max(g for s, g in gain11.items() if s[1] == 64) < 1.03
+    assert all(ms[("sdpa_flash", *s)] < ms[("k_lanes", *s)] for s in shapes if s[1] == 64)
+    assert "at $d = 64$ it gains less than predicted and stays below SDPA flash" in lesson
+
+
+def test_chapter7_ladder_chart_draws_no_bar_for_a_rung_the_record_lacks(ch7_ladder):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    ns, _, _ = ch7_ladder
+    plt = ns["plt"]
+    plt.close("all")
+    printed = run_cells(CH7, ["66564125"], ns)
+    timed = {r["impl"] for r in ns["ladder"]["rows"] if "error" not in r}
+    ladder = [name for name in fgpu.RUNGS if name not in fgpu.SIDE_STEPS]
+    drawn = [name for name in ladder if name in timed]
+    for ax in plt.gcf().axes:
+        assert [t.get_text().split("\n")[1] for t in ax.get_xticklabels()] == drawn
+        heights = [p.get_height() for p in ax.patches]
+        assert len(heights) == 2 * len(drawn) and all(h > 0 for h in heights)  # no zero bar
+    missing = [name for name in ladder if name not in timed]
+    assert ("no bar for" in printed) == bool(missing) and all(f"({name})" in printed for name in missing)
+    plt.close("all")
 
 
 def test_chapter7_types_no_range_against_a_reference_in_its_prose():
@@ -357,16 +445,17 @@ def test_chapter7_times_the_turing_kernel_as_best_on_a_t4_and_says_why_rung9_can
     assert set(launches) == {("r3t_mma_m16n8k8.cu", "attn_fwd_f16_d128")}  # "best" is the Turing kernel itself
     plan_line = printed.splitlines()[0]
     assert plan_line.startswith("forward: 'turing' (r3t_mma_m16n8k8.cu")
-    assert re.search(r"passed over 'addressing', .*'mma': needs sm_80 or newer at d = 128; this GPU is sm_75",
-                     plan_line)
+    assert re.search(rf"passed over '{fgpu.BEST[('f16', 128)]}', .*'mma': needs sm_80 or newer at d = 128; "
+                     r"this GPU is sm_75", plan_line)
     assert re.search(r"^turing +[\d.]+ TFLOP/s$", printed, re.M) and printed.count("TFLOP/s") == 1
 
 
-def test_chapter7_times_turing_beside_rung9_on_an_h100(ch7_on):
+def test_chapter7_times_turing_beside_the_best_rung_on_an_h100(ch7_on):
     ns, launches, _ = ch7_on(H100)
     printed = run_cells(CH7, ["turing-measure"], ns)
-    assert {f for f, _ in launches} == {"r3t_mma_m16n8k8.cu", "r9_addressing.cu"}
-    assert re.search(r"^addressing +[\d.]+ TFLOP/s$", printed, re.M)
+    best = fgpu.RUNGS[fgpu.BEST[("f16", 128)]]
+    assert {f for f, _ in launches} == {"r3t_mma_m16n8k8.cu", best.file}
+    assert re.search(rf"^{best.name} +[\d.]+ TFLOP/s$", printed, re.M)
 
 
 def test_chapter7_turing_cell_without_a_gpu_says_so():

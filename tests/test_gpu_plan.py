@@ -66,15 +66,20 @@ def test_forward_takes_the_first_rung_of_the_order_that_runs(lim, dt, d, positiv
 
 
 def test_each_gpu_gets_its_fastest_forward():
+    best = {d: fgpu.BEST[("f16", d)] for d in fgpu.HEAD_DIMS}
+    # the recorded fastest rung spills nowhere, so every sm_80 GPU runs it at both d
+    assert not any(_spills(_rung(best[d]), d, lim) for lim in DEVICES for d in fgpu.HEAD_DIMS)
     for lim in DEVICES:
         for d in fgpu.HEAD_DIMS:
             fp16 = fgpu._forward_plan("f16", d, True, "best", lim).kernel
             bf16 = fgpu._forward_plan("bf16", d, True, "best", lim).kernel
-            rung9 = "addressing_c32" if d == 128 and lim.cc in (80, 86, 89) else "addressing"  # where rung 9 spills
-            assert (fp16, bf16) == (("turing", "smem_tiles") if lim.cc < 80 else (rung9, rung9)), (lim, d)
+            assert (fp16, bf16) == (("turing", "smem_tiles") if lim.cc < 80 else (best[d], best[d])), (lim, d)
             assert fgpu._forward_plan("f32", d, True, "best", lim).kernel == "smem_tiles"
-    a100 = fgpu._forward_plan("f16", 128, True, "best", A100)
-    assert a100.passed_over[0][0] == "addressing" and "spills registers at d = 128 on sm_80" in a100.passed_over[0][1]
+    # with scale <= 0 the raw-max rungs step aside; on sm_80 rung 10 (like rung 9) is also passed over for its spills
+    a100 = fgpu._forward_plan("f16", 128, False, "best", A100)
+    assert a100.kernel == fgpu.POSITIVE_SCALE_ONLY[best[128]]
+    why = dict(a100.passed_over)
+    assert "scale > 0" in why[best[128]] and "spills registers at d = 128 on sm_80" in why["one_barrier"]
     assert fgpu._forward_plan("f16", 128, True, "addressing", A100).kernel == "addressing"  # asked for: it runs
     assert fgpu.RUNGS["turing"].shared_bytes(128) <= T4.smem_per_block  # the T4's tensor-core rung fits it
 
@@ -210,7 +215,7 @@ def test_a_forward_request_the_t4_cannot_run_is_refused_before_the_driver(gpu_li
     qb = _arrays(1, 1, 16, 64, dtype=np.uint16)
     assert fgpu.plan(qb, qb, qb, bf16=True).kernel == "smem_tiles"  # no bf16 tensor cores on sm_75
     text = str(fgpu.plan(q, q, q, scale=-0.1))
-    assert re.search(r"'turing'.*passed over 'addressing', .*'mma': needs sm_80", text)
+    assert re.search(rf"'turing'.*passed over '{fgpu.BEST[('f16', 128)]}', .*'mma': needs sm_80", text)
     assert "on host emulation (no GPU), sm_75" in text  # the device as it names itself
 
 

@@ -162,17 +162,40 @@ def markdown_table(rows: list[dict]) -> str:
 
 LADDER_COLUMNS = [(128, 4096, False), (128, 16384, False), (128, 4096, True), (128, 16384, True),
                   (64, 4096, False), (64, 16384, False), (64, 4096, True), (64, 16384, True)]
+# The run that timed rungs 10 and 11 beside rung 9 and both SDPA backends under both protocols, at n = 1024, 4096
+# and 16384 (data/benchmarks/ladder.json was recorded before rungs 10 and 11 existed).
+RUNG_PROBE = "benchmarks/r10_probe"
 
 
-def ladder_markdown(rows: list[dict], impls: list[str] | None = None) -> str:
-    """One line per implementation and protocol, one column per (d, n, causal): TFLOP/s (% of sdpa_flash in the
-    same run under the same protocol; with both references timed, also % of sdpa_cudnn)."""
+def columns_of(rows: list[dict]) -> list[tuple[int, int, bool]]:
+    """The (d, n, causal) of a record's timed rows, in the ladder's order: d = 128 first, then mask, then n."""
+    cols = {(r["d"], r["n"], r["causal"]) for r in rows if "error" not in r}
+    return sorted(cols, key=lambda c: (-c[0], c[2], c[1]))
+
+
+def speedups(rows: list[dict], impl: str, ref: str, *, protocol: str | None = None, d: int | None = None,
+             causal: bool | None = None) -> list[float]:
+    """time(ref) / time(impl) at every (d, n, causal) where both were timed under the same protocol, in the order of
+    ``columns_of`` (above 1: ``impl`` is the faster); ``protocol``, ``d``, ``causal``: only those rows (None: all)."""
+    ms = {(r["impl"], records.protocol_of(r), r["d"], r["n"], r["causal"]): r["median_ms"]
+          for r in rows if "error" not in r}
+    return [ms[(ref, p, *c)] / ms[(impl, p, *c)] for c in columns_of(rows) for p in records.PROTOCOLS
+            if (impl, p, *c) in ms and (ref, p, *c) in ms and protocol in (None, p) and d in (None, c[0])
+            and causal in (None, c[2])]
+
+
+def ladder_markdown(rows: list[dict], impls: list[str] | None = None,
+                    columns: list[tuple[int, int, bool]] | None = None) -> str:
+    """One line per implementation and protocol, one column per (d, n, causal) of ``columns`` (default
+    ``LADDER_COLUMNS``): TFLOP/s (% of sdpa_flash in the same run under the same protocol; with both references
+    timed, also % of sdpa_cudnn)."""
     rows = [r for r in rows if "error" not in r]
     t = _percents(rows)
     if impls is None:
         impls = list(dict.fromkeys(r["impl"] for r in rows))
     protocols = [p for p in records.PROTOCOLS if any(records.protocol_of(r) == p for r in rows)]
-    cols = [c for c in LADDER_COLUMNS if any((i, p, *c) in t for i in impls for p in protocols)]
+    cols = [c for c in (LADDER_COLUMNS if columns is None else columns)
+            if any((i, p, *c) in t for i in impls for p in protocols)]
     head = " | ".join(f"d={d} n={n}{' causal' if c else ''}" for d, n, c in cols)
     lines = [f"| impl | protocol | {head} |", "|---" * (len(cols) + 2) + "|"]
     for p in protocols:

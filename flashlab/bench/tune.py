@@ -27,7 +27,8 @@ def _launcher(attention, q, k, v, causal, rung, o, lse):
 def parser() -> argparse.ArgumentParser:
     """The command line of this run."""
     p = argparse.ArgumentParser(prog=f"{PROG} tune", description=__doc__.splitlines()[0])
-    p.add_argument("--rung", choices=("exp2_tiles", "warp32", "lean", "addressing"), default="addressing")
+    p.add_argument("--rung", choices=("exp2_tiles", "warp32", "lean", "addressing", "one_barrier", "k_lanes"),
+                   default="k_lanes")
     p.add_argument("--configs", nargs="+", default=["4x64", "8x64", "4x32", "8x32"],
                    help="NWARPSxBC tile sizes (BC = keys per tile; warp32: BC at d = 64, always 32 at d = 128)")
     p.add_argument("--d", nargs="+", type=int, default=[64, 128])

@@ -111,20 +111,23 @@ RUNGS: dict[str, Rung] = {
              "Turing: two mma.sync m16n8k8 per k16 step, ldmatrix, K/V prefetched through registers, 16 KB shared"),
     )
 }
-# The fastest rung per (dtype, d), from data/benchmarks/ladder.json (H200, 2026-11-29): rung 9 at both d (90-96%
-# of PyTorch's FlashAttention-2 backend); fp32 has no tensor-core rung.
+# The fastest rung per (dtype, d): rung 11 at both d. In data/benchmarks/r10_probe.json (H200, 2026-12-01, fp16,
+# both protocols, one run) it is faster than rung 9 at every shape and than rung 10 at every shape but one, where
+# the two are within 0.2%; rung 9 was the fastest of data/benchmarks/ladder.json, recorded before rungs 10 and 11.
+# bf16 takes the fp16 choice (the same loop; no bf16 rows are timed). fp32 has no tensor-core rung.
 BEST = {("f32", 64): "smem_tiles", ("f32", 128): "smem_tiles",
-        ("f16", 64): "addressing", ("f16", 128): "addressing", ("bf16", 64): "addressing", ("bf16", 128): "addressing"}
+        ("f16", 64): "k_lanes", ("f16", 128): "k_lanes", ("bf16", 64): "k_lanes", ("bf16", 128): "k_lanes"}
 # Rungs beside the ladder rather than on it: written for GPUs older than the one the ladder was recorded on, so
 # data/benchmarks/ladder.json (an H200) has no row for them.
 SIDE_STEPS = ("turing",)
 # rung -> the rung "best" falls back to when scale <= 0 (these keep the max of unscaled scores)
 POSITIVE_SCALE_ONLY = {"lean": "warp32", "addressing": "warp32", "one_barrier": "warp32", "k_lanes": "warp32"}
-# What "best" tries after BEST's rung, fastest first: the ladder's order in data/benchmarks/ladder.json. "turing",
-# not timed there, comes after every sm_80 rung (it is chosen where they cannot run: sm_75); then the scalar rungs.
-# "addressing_c32" (below) stands in for rung 9 where rung 9 spills. Rungs 10 and 11, not yet in ladder.json, come
-# after rung 9 and its stand-in: "best" reaches them on no GPU, and they run when asked for by name.
-LADDER_ORDER = ("addressing", "addressing_c32", "one_barrier", "k_lanes", "lean", "warp32", "exp2_tiles", "cp_async",
+# What "best" tries after BEST's rung, fastest first: rungs 11, 10 and 9 in the order of r10_probe.json, then the
+# ladder's order in ladder.json. "addressing_c32" (below) stands in for rung 9 where rung 9 spills; rung 11 spills
+# nowhere and fits wherever rung 9 does, so on the GPUs of KNOWN_DEVICES "best" stops at rung 11 whenever scale > 0,
+# and with scale <= 0 passes rungs 8-11 (and the variant, rung 9's file) for rung 7. "turing", not timed there,
+# comes after every sm_80 rung (it is chosen where they cannot run: sm_75); then the scalar rungs.
+LADDER_ORDER = ("k_lanes", "one_barrier", "addressing", "addressing_c32", "lean", "warp32", "exp2_tiles", "cp_async",
                 "ldmatrix", "mma", "turing", "smem_tiles", "scalar")
 # The architectures the kernels are compiled for in the tests (tests/test_kernels_compile.py), each kernel for those
 # of them at or above its min_cc: T4, A100, A10 / RTX 30x0, RTX 40x0, H100 / H200.
@@ -154,7 +157,8 @@ def rung7_variant(nwarps: int, bc64: int, bc128: int = 32, base: str = "warp32")
                                defines=(f"-DNWARPS={nwarps}", f"-DBC_D64={bc64}", f"-DBC_D128={bc128}"))
 
 
-# Rung 9 with 32-key tiles at d = 128 (231 registers on sm_80, no spill): "best" on the GPUs where rung 9 spills.
+# Rung 9 with 32-key tiles at d = 128 (231 registers on sm_80, no spill): rung 9's stand-in on the GPUs where it
+# spills. "best" reaches it only where rung 11 cannot run and rung 9 spills (no GPU of KNOWN_DEVICES).
 PLANNED_VARIANTS = {"addressing_c32": dataclasses.replace(rung7_variant(4, 64, 32, base="addressing"),
                                                           name="addressing_c32")}
 
