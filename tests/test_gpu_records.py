@@ -108,13 +108,21 @@ def test_ncu_summaries_are_reproducible_from_their_csv(name):
 
 
 def test_recorded_best_rungs_are_the_fastest_tensor_core_rungs():
+    """In the ladder's record, BEST is the fastest rung at every shape by the throughput protocol (back to back: the
+    steady state the choice is made for). One call then a synchronize (latency) is noisier from one run to the
+    next (a few per cent between the ladder's run and the one that timed rungs 9-11): there BEST is within 5 % of
+    the fastest rung."""
     rows = [r for r in records.read_record("benchmarks/ladder")["rows"] if "error" not in r]
-    for d in fgpu.HEAD_DIMS:
-        best = fgpu.BEST[("f16", d)]
-        for n, causal in {(r["n"], r["causal"]) for r in rows if r["d"] == d and r["impl"] == best}:
-            same = {r["impl"]: r["tflops"] for r in rows if (r["d"], r["n"], r["causal"]) == (d, n, causal)}
-            fastest = max((t, i) for i, t in same.items() if i in fgpu.RUNGS)[1]
-            assert fastest == best, (d, n, causal, fastest)
+    for protocol, slack in (("throughput", 1.0), ("latency", 0.95)):
+        for d in fgpu.HEAD_DIMS:
+            best = fgpu.BEST[("f16", d)]
+            shapes = {(r["n"], r["causal"]) for r in rows if r["d"] == d and r["impl"] == best}
+            assert shapes
+            for n, causal in shapes:
+                same = {r["impl"]: r["tflops"] for r in rows
+                        if (r["d"], r["n"], r["causal"], records.protocol_of(r)) == (d, n, causal, protocol)}
+                fastest = max(t for i, t in same.items() if i in fgpu.RUNGS)
+                assert same[best] >= slack * fastest, (protocol, d, n, causal, same)
 
 
 def test_best_rung_is_the_fastest_in_the_run_that_timed_rungs_9_to_11():
@@ -181,8 +189,10 @@ def test_records_of_both_protocols_time_every_row_under_each(name):
 
 
 def test_protocol_of_a_row_recorded_without_one_is_throughput():
-    old = records.read_record("benchmarks/ladder")["rows"]
-    assert all("protocol" not in r and records.protocol_of(r) == "throughput" for r in old)
+    # Records made before both protocols were timed have no "protocol" field: their rows are back-to-back runs
+    old = [{k: v for k, v in r.items() if k != "protocol"} for r in records.read_record("benchmarks/ladder")["rows"]
+           if records.protocol_of(r) == "throughput"]
+    assert old and all(records.protocol_of(r) == "throughput" for r in old)
     table = forward.ladder_markdown(old)
     assert "| throughput |" in table and "| latency |" not in table
     both = forward.ladder_markdown(records.read_record("benchmarks/protocols")["rows"])
