@@ -662,13 +662,6 @@ def _swizzle_demo() -> Demo:
                 names=("each row a permutation (1 = yes)", "worst passes per 8-row block"))
 
 
-KNOWN_MISTAKES = KnownMistakes(
-    demos={"A_POSITIONS_MUTANTS": lambda: _positions_demo(_a8_positions),
-           "B_POSITIONS_MUTANTS": lambda: _positions_demo(_b8_positions),
-           "C_POSITIONS_MUTANTS": lambda: _positions_demo(_c8_positions),
-           "SOFTMAX_MUTANTS": _softmax_demo, "SWIZZLE_MUTANTS": _swizzle_demo,
-           "LDMATRIX_MUTANTS": lambda: _positions_demo(_ldmatrix_a_rows)},
-)
 
 
 # ------------------------------------------------------------------ q5: the tensor-core lines of a CUDA kernel
@@ -804,7 +797,7 @@ KERNEL_MUTANTS = (
     lab06.CudaMutant("b_swapped", "b0 and b1 exchanged: b0 holds key g at k = 2t, 2t + 1 of this step's 16 columns "
                      "and b1 the same 8 columns on (k0 + 8 + 2t); the mma takes {b0, b1} in that order.",
                      _lines(mma=_MMA_LINES.replace('"r"(b0), "r"(b1)', '"r"(b1), "r"(b0)'))),
-    lab06.CudaMutant("b_g_t_swapped", "g and t swapped in B: column g = lane / 4 of B is key g, and the lane's k pair "
+    lab06.CudaMutant("b_g_t_swapped", "B loaded with g and t swapped: column g = lane / 4 of B is key g, and the lane's k pair "
                      "starts at 2t with t = lane % 4; you load key t at columns 2g, 2g + 1.",
                      _lines(b0="b0 = *(const u32*)&ks[t * LD + k0 + 2 * g];",
                             b1="b1 = *(const u32*)&ks[t * LD + k0 + 8 + 2 * g];")),
@@ -821,14 +814,19 @@ KERNEL_MUTANTS = (
 )
 
 
-_RUNNABLE_MUTANTS = tuple(mu for mu in KERNEL_MUTANTS if mu.tag != "output_only_accumulator")
+# Mutants whose mistake is in an asm statement's operands: the rewriting for the CPU names it before anything runs.
+_REFUSED_ON_CPU = frozenset({"output_only_accumulator"})
+
+
+def _runnable_mutants() -> list:
+    return [mu for mu in KERNEL_MUTANTS if mu.tag not in _REFUSED_ON_CPU]
 
 
 def kernel_mutant_source() -> str:
     """One CUDA module holding every kernel mutant the CPU emulation runs (not ``output_only_accumulator``, whose
     mistake is in the asm operands, which the rewriting names before anything runs); mutant ``tag``'s kernels are
     ``qk_<tag>_qk_lab_d32`` and ``..._d64``."""
-    return "\n".join(render_kernel(mu.update, f"qk_{mu.tag}") for mu in _RUNNABLE_MUTANTS)
+    return "\n".join(render_kernel(mu.update, f"qk_{mu.tag}") for mu in _runnable_mutants())
 
 
 def _mutant_kernel(tag: str, d: int) -> str:
@@ -1021,7 +1019,7 @@ def _q5_outputs(source: str, cases: list[KernelCase]) -> tuple[list, Callable]:
         def mutants(subset):
             module = kernel_mutant_source()
             return {mu.tag: [_gpu_launch(module, _mutant_kernel(mu.tag, c.shape[2]), c) for c in subset]
-                    for mu in _RUNNABLE_MUTANTS}
+                    for mu in _runnable_mutants()}
 
         return got, mutants
     program = lab06._host_program(_host_source(source), KERNEL_ENTRY_POINTS)
@@ -1029,9 +1027,9 @@ def _q5_outputs(source: str, cases: list[KernelCase]) -> tuple[list, Callable]:
            hostcuda.run(program, [_host_launch(f"qk_lab_d{c.shape[2]}", c) for c in cases], timeout=lab06.RUN_TIMEOUT)]
 
     def mutants(subset):
-        names = tuple(_mutant_kernel(mu.tag, d) for mu in _RUNNABLE_MUTANTS for d in KERNEL_HEAD_DIMS)
+        names = tuple(_mutant_kernel(mu.tag, d) for mu in _runnable_mutants() for d in KERNEL_HEAD_DIMS)
         prog = lab06._host_program(_host_source(kernel_mutant_source()), names, trusted=True)
-        jobs = [(mu.tag, c) for mu in _RUNNABLE_MUTANTS for c in subset]
+        jobs = [(mu.tag, c) for mu in _runnable_mutants() for c in subset]
         outs = hostcuda.run(prog, [_host_launch(_mutant_kernel(tag, c.shape[2]), c) for tag, c in jobs],
                             timeout=lab06.RUN_TIMEOUT)
         found: dict[str, list] = {}
@@ -1113,6 +1111,9 @@ def q5(t: Trial, KERNEL) -> None:
         t.diagnoses.append(mistake_title(_ACCUMULATOR))
         t.expect(label, Q5_RUN_POINTS, False, f"Likely mistake: {_ACCUMULATOR}\n({misuse})")
         return None
+    if t.parts and not compiled:
+        t.expect(label, Q5_RUN_POINTS, False, "cannot run: the kernel does not compile (above)")
+        return None
     cases = kernel_cases(t)
     try:
         got, mutants = _q5_outputs(source, cases)
@@ -1121,7 +1122,7 @@ def q5(t: Trial, KERNEL) -> None:
         return None
     except (hostcuda.CompileError, lab06.MissingKernels) as e:
         why = lab06._compile_feedback(e.log) if isinstance(e, hostcuda.CompileError) else str(e)
-        t.expect(label, Q5_RUN_POINTS, False, f"cannot run: {why}" + ("" if compiled else " (fix it first)"))
+        t.expect(label, Q5_RUN_POINTS, False, f"cannot run: {why}")
         return None
     ok = all(not isinstance(s, BaseException) and _kernel_close(s, c.reference()) for c, s in zip(cases, got,
                                                                                                     strict=True))
@@ -1130,3 +1131,30 @@ def q5(t: Trial, KERNEL) -> None:
         return None
     t.parts.append((label, 0.0, Q5_RUN_POINTS, lambda: _q5_diagnose(t, cases, got, mutants)))
     return None
+
+
+# ------------------------------------------------------------------------------ chapter 9: the known mistakes
+def _kernel_demo() -> Demo:
+    rng = np.random.default_rng(7)
+    Q, K = rng.standard_normal((16, 32)), rng.standard_normal((8, 32))
+    return Demo(examples=[("one block: n = 16 queries, m = 8 keys, d = 32 (two k steps)", (Q, K))],
+                run=lambda source, args: (qk_scores(source, *args),),
+                right=lambda args: (KernelCase(*args, "").reference(),), names=("S",),
+                rtol=1e-4, atol=1e-4)  # fp32 accumulation: rounding is not a mistake
+
+
+def _kernel_sources(mutant) -> tuple[str, str]:
+    """(right lines, wrong lines) of a kernel mutant, shown as a diff; nothing for the Python mutants."""
+    return (KERNEL_SOLUTION, mutant.update) if isinstance(mutant, lab06.CudaMutant) else ("", "")
+
+
+KNOWN_MISTAKES = KnownMistakes(
+    demos={"A_POSITIONS_MUTANTS": lambda: _positions_demo(_a8_positions),
+           "B_POSITIONS_MUTANTS": lambda: _positions_demo(_b8_positions),
+           "C_POSITIONS_MUTANTS": lambda: _positions_demo(_c8_positions),
+           "SOFTMAX_MUTANTS": _softmax_demo, "SWIZZLE_MUTANTS": _swizzle_demo,
+           "LDMATRIX_MUTANTS": lambda: _positions_demo(_ldmatrix_a_rows), "KERNEL_MUTANTS": _kernel_demo},
+    # A kernel mutant is a set of wrong lines, not a function: a student hands in the notebook's KERNEL string.
+    submission=lambda mutant: render_kernel(mutant.update),
+    sources=_kernel_sources,
+)
