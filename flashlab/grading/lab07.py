@@ -12,6 +12,7 @@ each lane points ``ldmatrix.x4`` at, so that the four registers arrive as ``mma.
 from __future__ import annotations
 
 import functools
+import re
 from typing import Callable
 
 import numpy as np
@@ -797,8 +798,8 @@ KERNEL_MUTANTS = (
     lab06.CudaMutant("b_swapped", "b0 and b1 exchanged: b0 holds key g at k = 2t, 2t + 1 of this step's 16 columns "
                      "and b1 the same 8 columns on (k0 + 8 + 2t); the mma takes {b0, b1} in that order.",
                      _lines(mma=_MMA_LINES.replace('"r"(b0), "r"(b1)', '"r"(b1), "r"(b0)'))),
-    lab06.CudaMutant("b_g_t_swapped", "B loaded with g and t swapped: column g = lane / 4 of B is key g, and the lane's k pair "
-                     "starts at 2t with t = lane % 4; you load key t at columns 2g, 2g + 1.",
+    lab06.CudaMutant("b_g_t_swapped", "B loaded with g and t swapped: column g = lane / 4 of B is key g, and the "
+                     "lane's k pair starts at 2t with t = lane % 4; you load key t at columns 2g, 2g + 1.",
                      _lines(b0="b0 = *(const u32*)&ks[t * LD + k0 + 2 * g];",
                             b1="b1 = *(const u32*)&ks[t * LD + k0 + 8 + 2 * g];")),
     lab06.CudaMutant("b_no_k0", "B is loaded without k0: every step of the loop over k multiplies by K's first 16 "
@@ -901,7 +902,9 @@ def can_run_kernel() -> bool:
 
 
 def _arch(source: str) -> int:
-    return 75 if "m16n8k8" in source and "m16n8k16" not in source else KERNEL_ARCH
+    """sm_75 for a kernel whose mma.sync instructions are all m16n8k8 (Turing's), else sm_80."""
+    shapes = set(re.findall(r'"\s*mma\.sync\.aligned\.(m\d+n\d+k\d+)', source))
+    return 75 if shapes == {"m16n8k8"} else KERNEL_ARCH
 
 
 class KernelFailed(Exception):
