@@ -7,6 +7,15 @@ q2: ``softmax_tile``, one key tile of the online softmax on a warp's S fragments
 ``shfl_xor``, rescaled l and O accumulators). q3: ``swizzle(row, chunk)``, a layout of a d = 128 fp16 tile in
 shared memory whose every ``ldmatrix`` phase takes one pass. q4: ``ldmatrix_rows(lane)``, the row of a 16×16 A tile
 each lane points ``ldmatrix.x4`` at, so that the four registers arrive as ``mma.sync``'s A fragment.
+
+q5: ``KERNEL``, a CUDA kernel in which one warp computes a 16×8 tile of S = Q K^T; the student writes the lines of
+one tensor-core step (the ``ldmatrix.x4`` address, the B registers, the ``mma.sync`` asm statement). Graded like lab
+06's kernel: compiled (CuPy on a GPU of sm_80 or newer, else nvcc for sm_80 — sm_75 for a kernel of m16n8k8 alone —
+else g++; 1 point), then run on random inputs against float64 (3 points) on such a GPU, or on the CPU: the asm
+statements are rewritten into the host emulation's calls by :func:`flashlab.hostcuda.host_source`, compiled with g++
+in the sandbox and run one OS thread per CUDA thread (:mod:`flashlab.hostcuda`). A failure is diagnosed by running
+:data:`KERNEL_MUTANTS` (compiled into one module) on the same inputs; an accumulator passed as an output-only
+operand is named from the asm statement itself. Points this machine cannot grade are not counted.
 """
 
 from __future__ import annotations
@@ -22,10 +31,12 @@ from ..fragments import shfl_xor
 from . import lab06
 from .core import Case, Lab, Mutant, NotImplementedYet, Trial, allclose, as_outputs, fmt, mistake_title, parameter_names
 from .known import Demo, KnownMistakes
+from .lab06 import CudaMutant
 
 LAB = Lab("lab07", "The tensor cores, practised")
 
-#: Every question runs on a CPU: the emulator is NumPy (chapter 9 and the seed sweep read this).
+#: Every question runs on a CPU: q1-q4 through the NumPy emulator, q5's kernel through g++ (chapter 9 and the seed
+#: sweep read this; without g++ and a GPU, q5 is worth no points here).
 NEEDS_GPU = False
 
 # The course's own answers (flashlab.grading.answers): calling one scores 0. _softmax_variant with every switch
@@ -775,42 +786,42 @@ _ACCUMULATOR = ("the accumulators are not passed in as C: D = A B + C must read 
                 "columns, and S holds only the last k step.")
 
 KERNEL_MUTANTS = (
-    lab06.CudaMutant("a_matrices_swapped", _A12,
+    CudaMutant("a_matrices_swapped", _A12,
                      _lines(a="ldmatrix_x4(a, &qs[(lane % 8 + 8 * (lane / 16)) * LD + k0 + 8 * (lane / 8 % 2)]);")),
-    lab06.CudaMutant("a_registers_order", _A12,
+    CudaMutant("a_registers_order", _A12,
                      _lines(mma=_MMA_LINES.replace(_A_REGS, '"r"(a[0]), "r"(a[2]), "r"(a[1]), "r"(a[3])'))),
-    lab06.CudaMutant("a_along_k", "ldmatrix's four matrices laid side by side along k: lanes 8j .. 8j + 7 point at "
+    CudaMutant("a_along_k", "ldmatrix's four matrices laid side by side along k: lanes 8j .. 8j + 7 point at "
                      "rows 0-7 only, at columns k0 + 8j, so A's rows 8-15 are never loaded and a2, a3 come from 16 "
                      "columns further. The 16 x 16 tile of A is 2 chunks wide and 16 rows tall: row lane % 16, column "
                      "k0 + 8 * (lane / 16).",
                      _lines(a="ldmatrix_x4(a, &qs[(lane % 8) * LD + k0 + 8 * (lane / 8)]);")),
-    lab06.CudaMutant("a_two_lanes_per_row", "ldmatrix addresses in reading order, two lanes per row (row lane / 2, "
+    CudaMutant("a_two_lanes_per_row", "ldmatrix addresses in reading order, two lanes per row (row lane / 2, "
                      "column k0 + 8 * (lane % 2)): ldmatrix does not fill registers row by row; lanes 8j .. 8j + 7 "
                      "give the 8 rows of matrix j, so row lane % 16, column k0 + 8 * (lane / 16).",
                      _lines(a="ldmatrix_x4(a, &qs[(lane / 2) * LD + k0 + 8 * (lane % 2)]);")),
-    lab06.CudaMutant("a_own_row", "each lane points ldmatrix at the row its own values come from (lane / 4): in "
+    CudaMutant("a_own_row", "each lane points ldmatrix at the row its own values come from (lane / 4): in "
                      "ldmatrix a lane supplies the address of one row for the whole warp, lane 8j + i the i-th row of "
                      "matrix j: row lane % 16, column k0 + 8 * (lane / 16).",
                      _lines(a="ldmatrix_x4(a, &qs[(lane / 4) * LD + k0]);")),
-    lab06.CudaMutant("a_no_k0", "A is loaded without k0: every step of the loop over k reads Q's first 16 columns, so "
+    CudaMutant("a_no_k0", "A is loaded without k0: every step of the loop over k reads Q's first 16 columns, so "
                      "S = Q[:, :16] K^T summed over the steps. Point ldmatrix at column k0 + 8 * (lane / 16).",
                      _lines(a="ldmatrix_x4(a, &qs[(lane % 16) * LD + 8 * (lane / 16)]);")),
-    lab06.CudaMutant("b_swapped", "b0 and b1 exchanged: b0 holds key g at k = 2t, 2t + 1 of this step's 16 columns "
+    CudaMutant("b_swapped", "b0 and b1 exchanged: b0 holds key g at k = 2t, 2t + 1 of this step's 16 columns "
                      "and b1 the same 8 columns on (k0 + 8 + 2t); the mma takes {b0, b1} in that order.",
                      _lines(mma=_MMA_LINES.replace('"r"(b0), "r"(b1)', '"r"(b1), "r"(b0)'))),
-    lab06.CudaMutant("b_g_t_swapped", "B loaded with g and t swapped: column g = lane / 4 of B is key g, and the "
+    CudaMutant("b_g_t_swapped", "B loaded with g and t swapped: column g = lane / 4 of B is key g, and the "
                      "lane's k pair starts at 2t with t = lane % 4; you load key t at columns 2g, 2g + 1.",
                      _lines(b0="b0 = *(const u32*)&ks[t * LD + k0 + 2 * g];",
                             b1="b1 = *(const u32*)&ks[t * LD + k0 + 8 + 2 * g];")),
-    lab06.CudaMutant("b_no_k0", "B is loaded without k0: every step of the loop over k multiplies by K's first 16 "
+    CudaMutant("b_no_k0", "B is loaded without k0: every step of the loop over k multiplies by K's first 16 "
                      "columns. Key g's halves of this step are at ks[g * LD + k0 + 2t] (b0) and 8 columns on (b1).",
                      _lines(b0="b0 = *(const u32*)&ks[g * LD + 2 * t];",
                             b1="b1 = *(const u32*)&ks[g * LD + 8 + 2 * t];")),
-    lab06.CudaMutant("zero_accumulator", _ACCUMULATOR,
+    CudaMutant("zero_accumulator", _ACCUMULATOR,
                      _lines(mma=_MMA_LINES.replace("{%0, %1, %2, %3};", "{%10, %11, %12, %13};")
                             .replace('"+f"', '"=f"').replace('"r"(b1));', '"r"(b1),\n  "f"(0.f), "f"(0.f), "f"(0.f), '
                                                                           '"f"(0.f));'))),
-    lab06.CudaMutant("output_only_accumulator", _ACCUMULATOR,
+    CudaMutant("output_only_accumulator", _ACCUMULATOR,
                      _lines(mma=_MMA_LINES.replace('"+f"', '"=f"'))),
 )
 
@@ -1148,7 +1159,7 @@ def _kernel_demo() -> Demo:
 
 def _kernel_sources(mutant) -> tuple[str, str]:
     """(right lines, wrong lines) of a kernel mutant, shown as a diff; nothing for the Python mutants."""
-    return (KERNEL_SOLUTION, mutant.update) if isinstance(mutant, lab06.CudaMutant) else ("", "")
+    return (KERNEL_SOLUTION, mutant.update) if isinstance(mutant, CudaMutant) else ("", "")
 
 
 KNOWN_MISTAKES = KnownMistakes(
