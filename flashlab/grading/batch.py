@@ -93,7 +93,7 @@ DEFAULT_TIMEOUT = 300.0
 OUTPUT_CAP = 20_000  # characters of printed output kept per cell while the notebook runs
 RESULT_CAP = 4 << 20  # bytes of the result file read back from the sandbox
 #: Labs whose checks use the GPU when the machine has one: their sandbox gets the GPU's device files.
-GPU_LABS = frozenset({"lab06"})
+GPU_LABS = frozenset({"lab06", "lab07"})
 #: A Jupyter kernel with NumPy, Numba and a ZMQ client beside it: threads count as processes.
 SANDBOX_LIMITS = sandbox.Limits(memory=8 << 30, processes=256, output=1 << 20)
 LINE_CAP = 1 << 16  # bytes of one protocol line from the worker

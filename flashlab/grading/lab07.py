@@ -7,20 +7,36 @@ q2: ``softmax_tile``, one key tile of the online softmax on a warp's S fragments
 ``shfl_xor``, rescaled l and O accumulators). q3: ``swizzle(row, chunk)``, a layout of a d = 128 fp16 tile in
 shared memory whose every ``ldmatrix`` phase takes one pass. q4: ``ldmatrix_rows(lane)``, the row of a 16×16 A tile
 each lane points ``ldmatrix.x4`` at, so that the four registers arrive as ``mma.sync``'s A fragment.
+
+q5: ``KERNEL``, a CUDA kernel in which one warp computes a 16×8 tile of S = Q K^T; the student writes the lines of
+one tensor-core step (the ``ldmatrix.x4`` address, the B registers, the ``mma.sync`` asm statement). Graded like lab
+06's kernel: compiled (CuPy on a GPU of sm_80 or newer, else nvcc for sm_80 — sm_75 for a kernel of m16n8k8 alone —
+else g++; 1 point), then run on random inputs against float64 (3 points) on such a GPU, or on the CPU: the asm
+statements are rewritten into the host emulation's calls by :func:`flashlab.hostcuda.host_source`, compiled with g++
+in the sandbox and run one OS thread per CUDA thread (:mod:`flashlab.hostcuda`). A failure is diagnosed by running
+:data:`KERNEL_MUTANTS` (compiled into one module) on the same inputs; an accumulator passed as an output-only
+operand is named from the asm statement itself. Points this machine cannot grade are not counted.
 """
 
 from __future__ import annotations
 
+import functools
+import re
+from typing import Callable
+
 import numpy as np
 
-from .. import fragments
+from .. import fragments, hostcuda
 from ..fragments import shfl_xor
+from . import lab06
 from .core import Case, Lab, Mutant, NotImplementedYet, Trial, allclose, as_outputs, fmt, mistake_title, parameter_names
 from .known import Demo, KnownMistakes
+from .lab06 import CudaMutant
 
 LAB = Lab("lab07", "The tensor cores, practised")
 
-#: Every question runs on a CPU: the emulator is NumPy (chapter 9 and the seed sweep read this).
+#: Every question runs on a CPU: q1-q4 through the NumPy emulator, q5's kernel through g++ (chapter 9 and the seed
+#: sweep read this; without g++ and a GPU, q5 is worth no points here).
 NEEDS_GPU = False
 
 # The course's own answers (flashlab.grading.answers): calling one scores 0. _softmax_variant with every switch
@@ -658,10 +674,503 @@ def _swizzle_demo() -> Demo:
                 names=("each row a permutation (1 = yes)", "worst passes per 8-row block"))
 
 
+
+
+# ------------------------------------------------------------------ q5: the tensor-core lines of a CUDA kernel
+# The kernel q5 grades: one warp computes a 16 x 8 tile of S = Q K^T with mma.sync.m16n8k16, its A fragment loaded
+# by ldmatrix.x4. "/*MMA*/" marks the lines the student writes; render_kernel() fills them in. The solution
+# notebook's KERNEL is render_kernel(KERNEL_SOLUTION) with the release markers around those lines (a test checks it).
+KERNEL_TEMPLATE = r"""// Lab 07, task 5 -- the tensor-core lines of rung 3, with rung 4's ldmatrix: one warp computes a
+// 16 x 8 tile of S = Q K^T with mma.sync.m16n8k16 (fp16 inputs, fp32 accumulators).
+//
+// Block (x, y) owns query rows 16x .. 16x + 15 and keys 8y .. 8y + 7. Layout: q (n, D) and k (m, D) fp16, passed
+// as their 16-bit patterns; s (n, m) float32; n a multiple of 16, m of 8. Grid (n / 16, m / 8); block: one warp.
+// Needs sm_80 or newer (Turing, sm_75, has m16n8k8 only).
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+// ldmatrix.x4: lanes 8j .. 8j + 7 each give the shared-memory address of one 16-byte row (8 halves) of 8x8 matrix
+// j; matrix j arrives in register r[j] of every lane, lane 4g + t receiving halves 2t, 2t + 1 of its row g.
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const u16* row) {
+    const u32 addr = (u32)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+template <int D>
+__device__ void qk_tile(const u16* __restrict__ q, const u16* __restrict__ k, float* __restrict__ s, int m) {
+    constexpr int LD = D + 8;  // a padded row (16 bytes more): the 8 rows of an ldmatrix phase hit different banks
+    __shared__ __align__(16) u16 qs[16 * LD];  // the block's 16 query rows
+    __shared__ __align__(16) u16 ks[8 * LD];   // its 8 key rows
+    const int lane = threadIdx.x, g = lane / 4, t = lane % 4;
+    const u16* qt = q + (size_t)blockIdx.x * 16 * D;
+    const u16* kt = k + (size_t)blockIdx.y * 8 * D;
+    for (int e = lane; e < 16 * LD; e += 32) qs[e] = e % LD < D ? qt[e / LD * D + e % LD] : (u16)0;
+    for (int e = lane; e < 8 * LD; e += 32) ks[e] = e % LD < D ? kt[e / LD * D + e % LD] : (u16)0;
+    __syncthreads();
+
+    float c[4] = {0.f, 0.f, 0.f, 0.f};  // this lane's accumulators: S at rows g, g + 8 and keys 2t, 2t + 1
+    for (int k0 = 0; k0 < D; k0 += 16) {  // one mma.sync per 16 columns of Q and K
+        u32 a[4];    // A = Q[16 rows, k0 .. k0 + 15], row-major: registers a0 .. a3 as mma.sync.m16n8k16 takes them
+        u32 b0, b1;  // B = K[8 keys, k0 .. k0 + 15]^T, column-major: column g of B is key g
+/*MMA*/
+    }
+
+    // c0, c1: row g, keys 2t and 2t + 1; c2, c3: row g + 8, the same keys.
+    float* st = s + (size_t)blockIdx.x * 16 * m + blockIdx.y * 8;
+    st[g * m + 2 * t] = c[0];
+    st[g * m + 2 * t + 1] = c[1];
+    st[(g + 8) * m + 2 * t] = c[2];
+    st[(g + 8) * m + 2 * t + 1] = c[3];
+}
+
+extern "C" __global__ void __launch_bounds__(32)
+qk_lab_d32(const u16* q, const u16* k, float* s, int m) { qk_tile<32>(q, k, s, m); }
+extern "C" __global__ void __launch_bounds__(32)
+qk_lab_d64(const u16* q, const u16* k, float* s, int m) { qk_tile<64>(q, k, s, m); }
+"""
+
+KERNEL_SOLUTION = """\
+// Lane 8j + i points at row i of matrix j: a0 = rows 0-7 and a1 = rows 8-15 at columns k0 .. k0 + 7, then a2 and
+// a3 the same rows at columns k0 + 8 .. k0 + 15.
+ldmatrix_x4(a, &qs[(lane % 16) * LD + k0 + 8 * (lane / 16)]);
+// b0: key g at columns k0 + 2t, k0 + 2t + 1, side by side in its row: one 32-bit load; b1: 8 columns on.
+b0 = *(const u32*)&ks[g * LD + k0 + 2 * t];
+b1 = *(const u32*)&ks[g * LD + k0 + 8 + 2 * t];
+// D = A B + C, with C the accumulators themselves ("+f": read, then written).
+asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+             "{%0, %1, %2, %3};"
+             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));"""
+
+KERNEL_HEAD_DIMS = (32, 64)
+KERNEL_ENTRY_POINTS = tuple(f"qk_lab_d{d}" for d in KERNEL_HEAD_DIMS)
+KERNEL_TOLERANCE = 1e-5  # fp32 accumulation of exact fp16 products: relative, in the 2-norm (CONTRIBUTING.md)
+KERNEL_MATCH = 1e-4  # a student's S "matches" a mutant's within this (relative)
+KERNEL_ARCH = 80  # m16n8k16 needs Ampere; a kernel written with m16n8k8 alone is compiled for Turing (sm_75)
+Q5_COMPILE_POINTS, Q5_RUN_POINTS = 1, 3
+_MMA_INDENT = " " * 8  # the lines' indentation in KERNEL_TEMPLATE
+
+
+def render_kernel(lines: str, prefix: str = "qk_lab") -> str:
+    """KERNEL_TEMPLATE with ``lines`` in place of /*MMA*/; ``prefix`` renames its kernels and device functions
+    (the mutants share one module)."""
+    body = "\n".join(_MMA_INDENT + line if line.strip() else line for line in lines.split("\n"))
+    source = KERNEL_TEMPLATE.replace("/*MMA*/", body)
+    if prefix != "qk_lab":
+        for name in ("qk_lab_d", "qk_tile", "ldmatrix_x4"):
+            source = source.replace(name, f"{prefix}_{name}")
+    return source
+
+
+_SOLUTION_LINES = KERNEL_SOLUTION.split("\n")
+_A_LINE = _SOLUTION_LINES[2]
+_B0_LINE, _B1_LINE = _SOLUTION_LINES[4], _SOLUTION_LINES[5]
+_MMA_LINES = "\n".join(_SOLUTION_LINES[7:])
+
+
+def _lines(a: str = _A_LINE, b0: str = _B0_LINE, b1: str = _B1_LINE, mma: str = _MMA_LINES) -> str:
+    """The solution's lines (without comments) with the given ones in place of its own."""
+    return "\n".join([a, b0, b1, mma])
+
+
+_A_REGS = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3])'
+_A12 = ("registers a1 and a2 of A exchanged: mma.sync.m16n8k16 takes a0 = rows 0-7 and a1 = rows 8-15 at k 0-7, then "
+        "a2, a3 the same rows at k 8-15. Either ldmatrix's lanes 8-15 point at rows 0-7 of the second 8 columns and "
+        "lanes 16-23 at rows 8-15 of the first (use row lane % 16, column k0 + 8 * (lane / 16)), or the mma takes "
+        "a[0], a[2], a[1], a[3]: pass a[0] .. a[3] in order.")
+_ACCUMULATOR = ("the accumulators are not passed in as C: D = A B + C must read c[0..3] and write them back (\"+f\" "
+                "operands, C = {%0, %1, %2, %3}); with C = 0 each mma.sync overwrites the sum of the previous 16 "
+                "columns, and S holds only the last k step.")
+
+KERNEL_MUTANTS = (
+    CudaMutant("a_matrices_swapped", _A12,
+                     _lines(a="ldmatrix_x4(a, &qs[(lane % 8 + 8 * (lane / 16)) * LD + k0 + 8 * (lane / 8 % 2)]);")),
+    CudaMutant("a_registers_order", _A12,
+                     _lines(mma=_MMA_LINES.replace(_A_REGS, '"r"(a[0]), "r"(a[2]), "r"(a[1]), "r"(a[3])'))),
+    CudaMutant("a_along_k", "ldmatrix's four matrices laid side by side along k: lanes 8j .. 8j + 7 point at "
+                     "rows 0-7 only, at columns k0 + 8j, so A's rows 8-15 are never loaded and a2, a3 come from 16 "
+                     "columns further. The 16 x 16 tile of A is 2 chunks wide and 16 rows tall: row lane % 16, column "
+                     "k0 + 8 * (lane / 16).",
+                     _lines(a="ldmatrix_x4(a, &qs[(lane % 8) * LD + k0 + 8 * (lane / 8)]);")),
+    CudaMutant("a_two_lanes_per_row", "ldmatrix addresses in reading order, two lanes per row (row lane / 2, "
+                     "column k0 + 8 * (lane % 2)): ldmatrix does not fill registers row by row; lanes 8j .. 8j + 7 "
+                     "give the 8 rows of matrix j, so row lane % 16, column k0 + 8 * (lane / 16).",
+                     _lines(a="ldmatrix_x4(a, &qs[(lane / 2) * LD + k0 + 8 * (lane % 2)]);")),
+    CudaMutant("a_own_row", "each lane points ldmatrix at the row its own values come from (lane / 4): in "
+                     "ldmatrix a lane supplies the address of one row for the whole warp, lane 8j + i the i-th row of "
+                     "matrix j: row lane % 16, column k0 + 8 * (lane / 16).",
+                     _lines(a="ldmatrix_x4(a, &qs[(lane / 4) * LD + k0]);")),
+    CudaMutant("a_no_k0", "A is loaded without k0: every step of the loop over k reads Q's first 16 columns, so "
+                     "S = Q[:, :16] K^T summed over the steps. Point ldmatrix at column k0 + 8 * (lane / 16).",
+                     _lines(a="ldmatrix_x4(a, &qs[(lane % 16) * LD + 8 * (lane / 16)]);")),
+    CudaMutant("b_swapped", "b0 and b1 exchanged: b0 holds key g at k = 2t, 2t + 1 of this step's 16 columns "
+                     "and b1 the same 8 columns on (k0 + 8 + 2t); the mma takes {b0, b1} in that order.",
+                     _lines(mma=_MMA_LINES.replace('"r"(b0), "r"(b1)', '"r"(b1), "r"(b0)'))),
+    CudaMutant("b_g_t_swapped", "B loaded with g and t swapped: column g = lane / 4 of B is key g, and the "
+                     "lane's k pair starts at 2t with t = lane % 4; you load key t at columns 2g, 2g + 1.",
+                     _lines(b0="b0 = *(const u32*)&ks[t * LD + k0 + 2 * g];",
+                            b1="b1 = *(const u32*)&ks[t * LD + k0 + 8 + 2 * g];")),
+    CudaMutant("b_no_k0", "B is loaded without k0: every step of the loop over k multiplies by K's first 16 "
+                     "columns. Key g's halves of this step are at ks[g * LD + k0 + 2t] (b0) and 8 columns on (b1).",
+                     _lines(b0="b0 = *(const u32*)&ks[g * LD + 2 * t];",
+                            b1="b1 = *(const u32*)&ks[g * LD + 8 + 2 * t];")),
+    CudaMutant("zero_accumulator", _ACCUMULATOR,
+                     _lines(mma=_MMA_LINES.replace("{%0, %1, %2, %3};", "{%10, %11, %12, %13};")
+                            .replace('"+f"', '"=f"').replace('"r"(b1));', '"r"(b1),\n  "f"(0.f), "f"(0.f), "f"(0.f), '
+                                                                          '"f"(0.f));'))),
+    CudaMutant("output_only_accumulator", _ACCUMULATOR,
+                     _lines(mma=_MMA_LINES.replace('"+f"', '"=f"'))),
+)
+
+
+# Mutants whose mistake is in an asm statement's operands: the rewriting for the CPU names it before anything runs.
+_REFUSED_ON_CPU = frozenset({"output_only_accumulator"})
+
+
+def _runnable_mutants() -> list:
+    return [mu for mu in KERNEL_MUTANTS if mu.tag not in _REFUSED_ON_CPU]
+
+
+def kernel_mutant_source() -> str:
+    """One CUDA module holding every kernel mutant the CPU emulation runs (not ``output_only_accumulator``, whose
+    mistake is in the asm operands, which the rewriting names before anything runs); mutant ``tag``'s kernels are
+    ``qk_<tag>_qk_lab_d32`` and ``..._d64``."""
+    return "\n".join(render_kernel(mu.update, f"qk_{mu.tag}") for mu in _runnable_mutants())
+
+
+def _mutant_kernel(tag: str, d: int) -> str:
+    return f"qk_{tag}_qk_lab_d{d}"
+
+
+# ------------------------------------------------------------------------------------------ q5: the inputs
+class KernelCase:
+    """One launch: Q (n, d) and K (m, d) as fp16 values, n a multiple of 16 and m of 8."""
+
+    def __init__(self, q: np.ndarray, k: np.ndarray, label: str) -> None:
+        self.q, self.k, self.label = q.astype(np.float16), k.astype(np.float16), label
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.q.shape[0], self.k.shape[0], self.q.shape[1]
+
+    def reference(self) -> np.ndarray:
+        return self.q.astype(np.float64) @ self.k.astype(np.float64).T
+
+
+def kernel_cases(t: Trial) -> list[KernelCase]:
+    """q5's inputs, fresh every run: both head dimensions, one block and several, n != m."""
+    cases = [KernelCase(t.rng.standard_normal((16, d)), t.rng.standard_normal((8, d)), "one block")
+             for d in KERNEL_HEAD_DIMS]
+    for d in KERNEL_HEAD_DIMS:
+        n, m = 16 * int(t.rng.integers(2, 5)), 8 * int(t.rng.integers(2, 7))
+        cases.append(KernelCase(t.rng.standard_normal((n, d)), t.rng.standard_normal((m, d)), "several blocks"))
+    return cases
+
+
+def _host_launch(kernel: str, case: KernelCase) -> hostcuda.Launch:
+    n, m, _ = case.shape
+    s = np.full((n, m), np.nan, dtype=np.float32)
+    args = (case.q.view(np.uint16).copy(), case.k.view(np.uint16).copy(), s, np.int32(m))
+    return hostcuda.Launch(kernel, (n // 16, m // 8), 32, args, outputs=(2,))
+
+
+def _gpu_launch(source: str, kernel: str, case: KernelCase) -> np.ndarray:
+    import cupy
+
+    n, m, _ = case.shape
+    fn = lab06._module(source).get_function(kernel)
+    q, k = (cupy.asarray(x.view(np.uint16)) for x in (case.q, case.k))
+    s = cupy.full((n, m), cupy.nan, dtype=cupy.float32)
+    fn((n // 16, m // 8), (32,), (q, k, s, np.int32(m)))
+    return cupy.asnumpy(s)
+
+
+# ---------------------------------------------------------------------------------------- q5: the machines
+@functools.lru_cache(maxsize=None)
+def _gpu_runs_mma() -> bool:
+    """A GPU with m16n8k16 (compute capability 8.0 or newer) is here: q5 runs the kernel on it."""
+    if not lab06._has_gpu():
+        return False
+    import cupy
+
+    return int(cupy.cuda.Device().compute_capability) >= KERNEL_ARCH
+
+
+def _kernel_can_compile() -> bool:
+    return _gpu_runs_mma() or lab06._nvcc() is not None or lab06._host_cc()
+
+
+def _kernel_can_run() -> bool:
+    return _gpu_runs_mma() or lab06._host_cc()
+
+
+def can_run_kernel() -> bool:
+    """Whether :func:`qk_scores` can run a kernel here: on a GPU of sm_80 or newer, or on the CPU with g++."""
+    return _kernel_can_run()
+
+
+def _arch(source: str) -> int:
+    """sm_75 for a kernel whose mma.sync instructions are all m16n8k8 (Turing's), else sm_80."""
+    shapes = set(re.findall(r'"\s*mma\.sync\.aligned\.(m\d+n\d+k\d+)', source))
+    return 75 if shapes == {"m16n8k8"} else KERNEL_ARCH
+
+
+class KernelFailed(Exception):
+    """The kernel does not compile or run; the message says why (the compiler's log, or what stopped it)."""
+
+
+def _host_source(source: str) -> str:
+    """The student's kernel made host C++ (flashlab.hostcuda.host_source); raises KernelFailed for PTX the CPU
+    emulation cannot run, with the reason."""
+    try:
+        return hostcuda.host_source(source)
+    except hostcuda.UnknownPTX as e:
+        raise KernelFailed(f"an asm statement cannot run: {e}") from None
+
+
+def qk_scores(source: str, Q, K) -> np.ndarray:
+    """Launch the notebook's KERNEL on Q (n, d) and K (m, d) (n a multiple of 16, m of 8, d 32 or 64; rounded to
+    fp16) and return S = Q K^T (float32): on a GPU of sm_80 or newer with CuPy, else on the CPU with g++. Raises
+    :class:`KernelFailed` when the kernel does not compile or its launch fails."""
+    Q, K = np.asarray(Q), np.asarray(K)
+    if Q.ndim != 2 or K.ndim != 2 or Q.shape[1] != K.shape[1] or Q.shape[1] not in KERNEL_HEAD_DIMS:
+        raise ValueError(f"need Q (n, d) and K (m, d) with d in {KERNEL_HEAD_DIMS}; got {Q.shape}, {K.shape}")
+    if Q.shape[0] % 16 or K.shape[0] % 8 or not Q.shape[0] or not K.shape[0]:
+        raise ValueError(f"need n a multiple of 16 and m a multiple of 8; got n = {Q.shape[0]}, m = {K.shape[0]}")
+    case = KernelCase(Q, K, "")
+    source = lab06.clean_source(source)
+    kernel = f"qk_lab_d{Q.shape[1]}"
+    if _gpu_runs_mma():
+        try:
+            return _gpu_launch(source, kernel, case)
+        except Exception as e:  # CuPy's CompileException, which CuPy does not export under one name
+            if type(e).__name__ != "CompileException":
+                raise
+            raise KernelFailed(str(e)) from None
+    if not lab06._host_cc():
+        raise RuntimeError("qk_scores() runs the kernel on a GPU (sm_80 or newer), or on the CPU with g++; "
+                           "neither is here")
+    try:
+        program = lab06._host_program(_host_source(source), KERNEL_ENTRY_POINTS)
+    except (hostcuda.CompileError, lab06.MissingKernels) as e:
+        raise KernelFailed(getattr(e, "log", str(e))) from None
+    (result,) = hostcuda.run(program, [_host_launch(kernel, case)], timeout=lab06.RUN_TIMEOUT)
+    if isinstance(result, Exception):
+        raise KernelFailed(str(result))
+    return result[0]
+
+
+# --------------------------------------------------------------------------------------- q5: the grading
+def _relative(x: np.ndarray, y: np.ndarray) -> float:
+    return lab06._rel(np.asarray(x, np.float64), np.asarray(y, np.float64))
+
+
+def _kernel_close(got: np.ndarray, want: np.ndarray, tol: float = KERNEL_TOLERANCE) -> bool:
+    return bool(np.isfinite(got).all()) and _relative(got, want) <= tol
+
+
+def _describe_case(case: KernelCase, got) -> str:
+    n, m, d = case.shape
+    where = f"n = {n}, m = {m}, d = {d} [{case.label}]"
+    if isinstance(got, BaseException):
+        return f"{where}: {str(got)[:300]}"
+    want = case.reference()
+    bad = ~np.isclose(got, want, rtol=1e-4, atol=1e-4) | ~np.isfinite(got)
+    gap = np.where(np.isfinite(got), np.abs(got - want), np.inf)
+    # the first wrong score, or the farthest off where rounding alone exceeds the tolerance
+    r, j = (int(x) for x in (np.argwhere(bad)[0] if bad.any() else np.unravel_index(np.argmax(gap), gap.shape)))
+    g, lane = r % 8, 4 * (r % 8) + (j % 8) // 2
+    value = 2 * (r % 16 >= 8) + j % 2
+    error = _relative(np.nan_to_num(got), want)
+    return (f"{where}: {int(bad.sum())} of {n * m} scores wrong (relative error {error:.2e}, allowed "
+            f"{KERNEL_TOLERANCE:g}); the first at query {r}, key {j}: expected {want[r, j]:.4g}, got {got[r, j]:.4g} "
+            f"(lane {lane}'s c[{value}] in its block: row g = {g}{' + 8' if r % 16 >= 8 else ''}, "
+            f"keys 2t, 2t + 1 with t = {(j % 8) // 2})")
+
+
+def _q5_compile(t: Trial, source: str) -> tuple[bool, str]:
+    """Compile with what this machine has: (ok, feedback)."""
+    arch = _arch(source)
+    if _gpu_runs_mma():
+        try:
+            lab06._cupy_compile(source, KERNEL_ENTRY_POINTS)
+            return True, "compiles with NVRTC (CuPy) and defines " + ", ".join(KERNEL_ENTRY_POINTS)
+        except lab06.MissingKernels as e:
+            return False, str(e)
+        except Exception as e:  # noqa: BLE001 - CompileException: the compiler's log is the feedback
+            return False, lab06._compile_feedback(str(e))
+    if lab06._nvcc() is not None:
+        ok, log, usage = lab06.nvcc_compile(source, arch)
+        if not ok:
+            return False, lab06._compile_feedback(log)
+        missing = [name for name in KERNEL_ENTRY_POINTS if name not in {u["kernel"] for u in usage}]
+        if missing:
+            return False, f"compiles, but these kernels are missing: {', '.join(missing)}"
+        return True, f"compiles with nvcc for sm_{arch}"
+    try:
+        lab06._host_program(_host_source(source), KERNEL_ENTRY_POINTS)
+    except KernelFailed as e:
+        return False, str(e)
+    except lab06.MissingKernels as e:
+        return False, str(e)
+    except hostcuda.CompileError as e:
+        return False, lab06._compile_feedback(e.log)
+    return True, "compiles for the CPU with g++ (no nvcc here: an error only the CUDA compiler makes shows with nvcc)"
+
+
+def _q5_outputs(source: str, cases: list[KernelCase]) -> tuple[list, Callable]:
+    """The student's S per case (an array, or the exception that stopped it), and ``mutants(cases)``: every mutant's
+    S on those cases ({tag: [S or exception per case]}), run in one module."""
+    if _gpu_runs_mma():
+        got = []
+        for case in cases:
+            try:
+                got.append(_gpu_launch(source, f"qk_lab_d{case.shape[2]}", case))
+            except Exception as e:  # noqa: BLE001 - a failed launch is feedback
+                got.append(e)
+
+        def mutants(subset):
+            module = kernel_mutant_source()
+            return {mu.tag: [_gpu_launch(module, _mutant_kernel(mu.tag, c.shape[2]), c) for c in subset]
+                    for mu in _runnable_mutants()}
+
+        return got, mutants
+    program = lab06._host_program(_host_source(source), KERNEL_ENTRY_POINTS)
+    got = [out[0] if not isinstance(out, Exception) else out for out in
+           hostcuda.run(program, [_host_launch(f"qk_lab_d{c.shape[2]}", c) for c in cases], timeout=lab06.RUN_TIMEOUT)]
+
+    def mutants(subset):
+        names = tuple(_mutant_kernel(mu.tag, d) for mu in _runnable_mutants() for d in KERNEL_HEAD_DIMS)
+        prog = lab06._host_program(_host_source(kernel_mutant_source()), names, trusted=True)
+        jobs = [(mu.tag, c) for mu in _runnable_mutants() for c in subset]
+        outs = hostcuda.run(prog, [_host_launch(_mutant_kernel(tag, c.shape[2]), c) for tag, c in jobs],
+                            timeout=lab06.RUN_TIMEOUT)
+        found: dict[str, list] = {}
+        for (tag, _), out in zip(jobs, outs, strict=True):
+            found.setdefault(tag, []).append(out if isinstance(out, Exception) else out[0])
+        return found
+
+    return got, mutants
+
+
+def _same_s(a, b) -> bool:
+    if isinstance(a, BaseException) or isinstance(b, BaseException):
+        return False
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape or not np.array_equal(np.isnan(a), np.isnan(b)):
+        return False
+    f = np.isfinite(a)
+    return not f.any() or _relative(a[f], b[f]) <= KERNEL_MATCH
+
+
+def _q5_diagnose(t: Trial, cases, got, mutants) -> str:
+    failed = [i for i, (c, s) in enumerate(zip(cases, got, strict=True))
+              if isinstance(s, BaseException) or not _kernel_close(s, c.reference())]
+    smallest = min(failed, key=lambda i: cases[i].q.size + cases[i].k.size)
+    text = "Smallest failing input: " + _describe_case(cases[smallest], got[smallest])
+    try:
+        outs = mutants(cases)
+    except Exception:  # noqa: BLE001 - no diagnosis rather than none at all
+        return text
+    for mu in KERNEL_MUTANTS:
+        wrong = outs.get(mu.tag)
+        if wrong is None:
+            continue
+        explains = all(_same_s(got[i], wrong[i]) for i in failed)
+        contradicts = any(isinstance(wrong[i], BaseException) or not _kernel_close(wrong[i], cases[i].reference())
+                          for i in range(len(cases)) if i not in failed)
+        if explains and not contradicts:
+            t.diagnoses.append(mistake_title(mu.message))
+            return f"Likely mistake (all {len(failed)} failing inputs match it): {mu.message}\n{text}"
+    return text
+
+
+def _needs_q5() -> str:
+    parts = []
+    if not _kernel_can_compile():
+        parts.append(f"{Q5_COMPILE_POINTS} point (compiling) needs a GPU, nvcc or a C++ compiler (g++)")
+    if not _kernel_can_run():
+        why = "a GPU of sm_80 or newer" + (" (this one is older)" if lab06._has_gpu() else "")
+        parts.append(f"{Q5_RUN_POINTS} points (running) need {why} or a C++ compiler (g++)")
+    return ("q5: " + "; ".join(parts) + "; not graded here.") if parts else ""
+
+
+def _accumulator_misuse(source: str) -> str:
+    """The rewriting's words when an asm statement reads an output-only operand ('' otherwise)."""
+    try:
+        hostcuda.host_source(source)
+    except hostcuda.UnknownPTX as e:
+        return str(e) if "output-only operand" in str(e) else ""
+    return ""
+
+
+@LAB.question("q5", points=Q5_COMPILE_POINTS * _kernel_can_compile() + Q5_RUN_POINTS * _kernel_can_run(),
+              objects=("KERNEL",))
+def q5(t: Trial, KERNEL) -> None:
+    """KERNEL (the ldmatrix address, the B loads and the mma.sync line) compiles, and computes S = Q K^T tile by tile
+    against the reference (on a GPU of sm_80 or newer, or on the CPU through g++)."""
+    source = lab06._student(KERNEL)
+    needs = _needs_q5()
+    compiled = False
+    if _kernel_can_compile():
+        compiled, message = _q5_compile(t, source)
+        t.expect("compiles and defines " + ", ".join(KERNEL_ENTRY_POINTS), Q5_COMPILE_POINTS, compiled,
+                 message + (f"\n{needs}" if needs else ""))
+    if not _kernel_can_run():
+        return None if t.parts else (0.0, needs)
+    label = f"S = Q K^T on {2 * len(KERNEL_HEAD_DIMS)} random inputs (d = 32 and 64, one block and several)"
+    misuse = _accumulator_misuse(source)
+    if misuse:
+        t.diagnoses.append(mistake_title(_ACCUMULATOR))
+        t.expect(label, Q5_RUN_POINTS, False, f"Likely mistake: {_ACCUMULATOR}\n({misuse})")
+        return None
+    if t.parts and not compiled:
+        t.expect(label, Q5_RUN_POINTS, False, "cannot run: the kernel does not compile (above)")
+        return None
+    cases = kernel_cases(t)
+    try:
+        got, mutants = _q5_outputs(source, cases)
+    except KernelFailed as e:
+        t.expect(label, Q5_RUN_POINTS, False, f"cannot run: {e}")
+        return None
+    except (hostcuda.CompileError, lab06.MissingKernels) as e:
+        why = lab06._compile_feedback(e.log) if isinstance(e, hostcuda.CompileError) else str(e)
+        t.expect(label, Q5_RUN_POINTS, False, f"cannot run: {why}")
+        return None
+    ok = all(not isinstance(s, BaseException) and _kernel_close(s, c.reference()) for c, s in zip(cases, got,
+                                                                                                    strict=True))
+    if ok:
+        t.expect(label, Q5_RUN_POINTS, True)
+        return None
+    t.parts.append((label, 0.0, Q5_RUN_POINTS, lambda: _q5_diagnose(t, cases, got, mutants)))
+    return None
+
+
+# ------------------------------------------------------------------------------ chapter 9: the known mistakes
+def _kernel_demo() -> Demo:
+    rng = np.random.default_rng(7)
+    Q, K = rng.standard_normal((16, 32)), rng.standard_normal((8, 32))
+    return Demo(examples=[("one block: n = 16 queries, m = 8 keys, d = 32 (two k steps)", (Q, K))],
+                run=lambda source, args: (qk_scores(source, *args),),
+                right=lambda args: (KernelCase(*args, "").reference(),), names=("S",),
+                rtol=1e-4, atol=1e-4)  # fp32 accumulation: rounding is not a mistake
+
+
+def _kernel_sources(mutant) -> tuple[str, str]:
+    """(right lines, wrong lines) of a kernel mutant, shown as a diff; nothing for the Python mutants."""
+    return (KERNEL_SOLUTION, mutant.update) if isinstance(mutant, CudaMutant) else ("", "")
+
+
 KNOWN_MISTAKES = KnownMistakes(
     demos={"A_POSITIONS_MUTANTS": lambda: _positions_demo(_a8_positions),
            "B_POSITIONS_MUTANTS": lambda: _positions_demo(_b8_positions),
            "C_POSITIONS_MUTANTS": lambda: _positions_demo(_c8_positions),
            "SOFTMAX_MUTANTS": _softmax_demo, "SWIZZLE_MUTANTS": _swizzle_demo,
-           "LDMATRIX_MUTANTS": lambda: _positions_demo(_ldmatrix_a_rows)},
+           "LDMATRIX_MUTANTS": lambda: _positions_demo(_ldmatrix_a_rows), "KERNEL_MUTANTS": _kernel_demo},
+    # A kernel mutant is a set of wrong lines, not a function: a student hands in the notebook's KERNEL string.
+    submission=lambda mutant: render_kernel(mutant.update),
+    sources=_kernel_sources,
 )

@@ -16,6 +16,9 @@ Two ways to run a kernel:
   :func:`run` runs its launches in a fresh process the same way, with a time limit: an endless loop, a crash or
   a flood of output ends that process, never the caller. What finished before it ended is still returned.
 
+A kernel with inline PTX (``mma.sync``, ``ldmatrix``...) is first made host C++ by :func:`host_source`
+(:mod:`flashlab.hostcuda.ptx`), which rewrites the instructions the header emulates and refuses the others.
+
 Where g++ is missing (or too old for C++20's ``<barrier>``), :func:`compiler_problem` says so.
 """
 
@@ -37,6 +40,8 @@ import tempfile
 from collections.abc import Sequence
 
 import numpy as np
+
+from .ptx import UnknownPTX, host_source
 
 HERE = pathlib.Path(__file__).resolve().parent
 HEADER = HERE / "cuda_host.h"
@@ -280,7 +285,7 @@ class Program:
 
 # What makes a block's threads wait for each other: a kernel using any of it runs with one OS thread per CUDA thread.
 _SYNC = re.compile(r"\b(__syncthreads|__syncwarp|__shfl\w*|__any_sync|__all_sync|__ballot_sync|ldsm_x4\w*|mma\w*|"
-                   r"warp_sync|cp_async\w*)\b")
+                   r"warp_sync|cp_async\w*|hostcuda_(?:ldmatrix|mma)\w*)\b")
 
 
 def program(source: str, names: Sequence[str], *, trusted: bool = False, timeout: float = COMPILE_TIMEOUT,
@@ -428,5 +433,5 @@ def run(prog: Program, launches: Sequence[Launch], *, timeout: float = 30.0) -> 
     return results
 
 
-__all__ = ["CompileError", "HEADER", "Kernel", "Launch", "LaunchFailed", "Program", "SERIAL", "cache_dir",
-           "compiler", "compiler_problem", "header", "kernel_names", "library", "program", "run"]
+__all__ = ["CompileError", "HEADER", "Kernel", "Launch", "LaunchFailed", "Program", "SERIAL", "UnknownPTX", "cache_dir",
+           "compiler", "compiler_problem", "header", "host_source", "kernel_names", "library", "program", "run"]

@@ -139,13 +139,19 @@ inline bool __any_sync(unsigned, bool p) {
 }
 inline float __log2f(float x) { return std::log2(x); }
 inline float ex2(float x) { return std::exp2(x); }
-inline unsigned smem_addr(const void* p) { return (unsigned)((const unsigned char*)p - g_arena); }
+// A shared-memory address is a 32-bit offset from the arena, signed: the static __shared__ arrays (function statics
+// here) lie outside the arena but within 2 GB of it, in the program's data.
+inline unsigned smem_addr(const void* p) { return (unsigned)((std::uintptr_t)p - (std::uintptr_t)g_arena); }
+inline unsigned char* smem_ptr(unsigned addr) {
+    return (unsigned char*)((std::uintptr_t)g_arena + (std::intptr_t)(std::int32_t)addr);
+}
+inline std::size_t __cvta_generic_to_shared(const void* p) { return smem_addr(p); }
 // lanes 8j..8j+7 give the row addresses of 8x8 block j; lane l gets row l/4, columns 2(l%4), +1 of each block
 inline void ldsm_x4(unsigned* r, unsigned addr) {
     const int w = threadIdx.x / 32, l = threadIdx.x % 32;
     g_xa[w][l][0] = addr;
     warp_sync();
-    for (int j = 0; j < 4; ++j) std::memcpy(&r[j], g_arena + g_xa[w][8 * j + l / 4][0] + 4 * (l % 4), 4);
+    for (int j = 0; j < 4; ++j) std::memcpy(&r[j], smem_ptr(g_xa[w][8 * j + l / 4][0]) + 4 * (l % 4), 4);
     warp_sync();
 }
 // transposed: lane l gets rows 2(l%4), +1 at column l/4
@@ -155,14 +161,14 @@ inline void ldsm_x4_t(unsigned* r, unsigned addr) {
     warp_sync();
     for (int j = 0; j < 4; ++j) {
         std::uint16_t lo, hi;
-        std::memcpy(&lo, g_arena + g_xa[w][8 * j + 2 * (l % 4)][0] + 2 * (l / 4), 2);
-        std::memcpy(&hi, g_arena + g_xa[w][8 * j + 2 * (l % 4) + 1][0] + 2 * (l / 4), 2);
+        std::memcpy(&lo, smem_ptr(g_xa[w][8 * j + 2 * (l % 4)][0]) + 2 * (l / 4), 2);
+        std::memcpy(&hi, smem_ptr(g_xa[w][8 * j + 2 * (l % 4) + 1][0]) + 2 * (l / 4), 2);
         r[j] = lo | ((unsigned)hi << 16);
     }
     warp_sync();
 }
 inline void cp_async16(unsigned dst, const void* src, bool valid) {  // synchronous here: a copy, or 16 zeros
-    if (valid) std::memcpy(g_arena + dst, src, 16); else std::memset(g_arena + dst, 0, 16);
+    if (valid) std::memcpy(smem_ptr(dst), src, 16); else std::memset(smem_ptr(dst), 0, 16);
 }
 inline void cp_async_commit() {}
 template <int N>
@@ -193,6 +199,26 @@ inline void mma_emul(float* c, const unsigned* a, unsigned b0, unsigned b1) {
     for (int e = 0; e < 4; ++e) c[e] = out[e];
 }
 inline float bf16_val(std::uint16_t x) { return __uint_as_float((unsigned)x << 16); }
+// The calls that inline asm statements become (flashlab/hostcuda/ptx.py): outputs by reference, inputs by value,
+// so that every input is read before any output is written, as the instruction does.
+inline void hostcuda_ldmatrix_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, unsigned addr, bool trans) {
+    unsigned r[4];
+    if (trans) ldsm_x4_t(r, addr); else ldsm_x4(r, addr);
+    r0 = r[0], r1 = r[1], r2 = r[2], r3 = r[3];
+}
+template <float (*CV)(std::uint16_t)>
+inline void hostcuda_mma_m16n8k16(float& d0, float& d1, float& d2, float& d3, unsigned a0, unsigned a1, unsigned a2,
+                                  unsigned a3, unsigned b0, unsigned b1, float c0, float c1, float c2, float c3) {
+    float c[4] = {c0, c1, c2, c3};
+    const unsigned a[4] = {a0, a1, a2, a3};
+    mma_emul<CV>(c, a, b0, b1);
+    d0 = c[0], d1 = c[1], d2 = c[2], d3 = c[3];
+}
+// m16n8k8 is the k = 0..7 half of m16n8k16: its a0, a1 and b0 are m16n8k16's, the k = 8..15 half zero.
+inline void hostcuda_mma_m16n8k8(float& d0, float& d1, float& d2, float& d3, unsigned a0, unsigned a1, unsigned b0,
+                                 float c0, float c1, float c2, float c3) {
+    hostcuda_mma_m16n8k16<f16_val>(d0, d1, d2, d3, a0, a1, 0u, 0u, b0, 0u, c0, c1, c2, c3);
+}
 
 // Host versions of the kernel files' conversion structs, whose PTX bodies (cvt, mma.sync) cannot run here: the
 // emulation replaces each file's `struct F16 { ... };` and `struct BF16 { ... };` by `using F16 = HostF16;` etc.

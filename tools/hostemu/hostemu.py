@@ -13,7 +13,8 @@ block runs as one OS thread per CUDA thread, blocks one after another; ``__synct
 ``mma.sync`` m16n8k16 with fp16 or bf16 inputs and fp32 accumulators) exchange values through per-warp buffers
 between two warp barriers; ``cp.async`` copies at once; ``atomicAdd`` takes a lock; ``__shared__`` arrays are
 function statics and dynamic shared memory one arena. Device helpers written in inline PTX (conversions, ``ex2``,
-ldmatrix, cp.async, mma) are replaced by host versions of the same name; other inline PTX is refused with an error.
+ldmatrix, cp.async, mma) are replaced by host versions of the same name, and inline ``asm`` statements of ldmatrix,
+mma.sync and mov by host calls (``flashlab.hostcuda.host_source``); other inline PTX is refused with an error.
 Threads really run concurrently and lanes are not in lock step, so a missing barrier tends to show as a wrong
 result, but this is no race detector (use compute-sanitizer on a GPU) and says nothing about speed. By default the
 forward that the backward tests need is the float64 reference (fast); ``--real-forward`` emulates the forward kernel
@@ -25,7 +26,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import pathlib
-import re
 import sys
 import time
 import types
@@ -39,58 +39,11 @@ if __name__ == "__main__":  # the kernels, launchers and host CUDA of this check
 
 from flashlab import hostcuda  # noqa: E402 - after the checkout is on the path
 
-# Each kernel file's conversion structs (PTX cvt and mma bodies): replaced by cuda_host.h's host versions, F16 by
-# HostF16 and BF16 by HostBF16.
-HOST_TYPES = ("F16", "BF16")
-# Device helpers whose bodies are inline PTX: removed, the header's host versions (same names) stand in.
-PTX_HELPERS = ("ex2", "smem_addr", "ldsm_x4", "ldsm_x4_t", "cp_async16", "cp_async_commit", "cp_async_wait")
-ASM_REWRITES = [
-    (r'asm volatile\("mov\.u32 %0, %1;" : "=r"\((\w+)\) : "r"\((\w+)\)\);', r"\1 = \2;"),
-    (r'asm volatile\("mov\.u32 %0, %%ctaid\.([xyz]);" : "=r"\((\w+)\)\);', r"\2 = blockIdx.\1;"),
-    (r"extern __shared__ __align__\(16\) u16 smem\[\];", "u16* smem = (u16*)g_arena;"),
-]
-
-
-def _definition_span(src: str, start: int) -> tuple[int, int]:
-    """[start, end) of the definition beginning at ``start``: through its matching closing brace (and a ';')."""
-    i = src.index("{", start)
-    depth = 0
-    while True:
-        if src[i] == "{":
-            depth += 1
-        elif src[i] == "}":
-            depth -= 1
-            if depth == 0:
-                end = i + 1
-                return start, end + 1 if src[end:end + 1] == ";" else end
-        i += 1
-
-
-def host_source(cu_text: str) -> str:
-    """The .cu text made host C++ (before :mod:`flashlab.hostcuda` adds its header): PTX conversion structs
-    replaced by the header's host versions, PTX helpers removed."""
-    src = cu_text
-    for name in HOST_TYPES:
-        a, b = _definition_span(src, src.index(f"struct {name} {{"))
-        src = src[:a] + f"using {name} = Host{name};" + src[b:]
-    for name in PTX_HELPERS:
-        m = re.search(rf"__device__ __forceinline__ \w+ {name}\(", src)
-        if m:
-            a, b = _definition_span(src, m.start())
-            if src[:a].rstrip().endswith("template <int N>"):  # keep no template shell around a removed body
-                a = src[:a].rstrip().rindex("template <int N>")
-            src = src[:a] + src[b:]
-    for pattern, repl in ASM_REWRITES:
-        src = re.sub(pattern, repl, src)
-    if "asm" in re.sub(r"//.*", "", src):
-        raise ValueError("inline PTX the host emulation does not know is left in this kernel file")
-    return src
-
 
 @functools.lru_cache(maxsize=None)
 def library(code: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     """Compile one kernel file's text for the host (cached by hash) and load it: one launcher per kernel."""
-    src = host_source(code)
+    src = hostcuda.host_source(code)
     names = hostcuda.kernel_names(src)
     if not names:
         raise ValueError('no extern "C" __global__ kernel found in this kernel file')
