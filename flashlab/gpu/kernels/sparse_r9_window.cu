@@ -1,9 +1,12 @@
-// Block-sparse attention on rung 9: the key tiles a pattern leaves empty are never loaded or computed. Needs sm_80.
+// Block-sparse attention on rung 11: the key tiles a pattern leaves empty are never loaded or computed. Needs sm_80.
 //
-// Rung 9's loop runs over every key tile up to the causal edge; this kernel runs over the computed tiles of a
-// pattern only, and masks element by element only the tiles the pattern cuts (PARTIAL); FULL tiles run rung 9's
-// unmasked path (a last, ragged key tile still masks its columns past m). The math per tile is rung 9's. Two
-// ways to say which tiles a query block computes, one kernel for each:
+// Rung 11's loop runs over every key tile up to the causal edge; this kernel runs over the computed tiles of a
+// pattern only, and masks element by element only the tiles the pattern cuts (PARTIAL); FULL tiles run rung 11's
+// unmasked path (a last, ragged key tile still masks its columns past m). The math per tile is rung 11's: one
+// barrier per tile (rung 10: the next computed tile's copy is issued after the barrier that opens this one) and
+// K's ldmatrix lanes in B order (rung 11: each mma finds its two K registers side by side, so ptxas no longer
+// copies them into place). The file was first written on rung 9 and keeps its name. Two ways to say which tiles
+// a query block computes, one kernel for each:
 // * attn_window_*: a sliding window with an optional dilation, as three numbers: query i sees key j when
 //   -left <= delta <= right and delta % stride == 0, delta = j - (i + m - n) (the course's causal alignment;
 //   "no limit" is passed as n + m). The key range of a block, the kind of each tile and the mask of an element
@@ -21,24 +24,21 @@
 // Inputs fp16 or bf16 (raw 16-bit patterns). Layout: q (B, H, n, D), k and v (B, Hk, m, D), o like q,
 // lse (B, H, n) fp32. Grid: (ceil(n / BR), H, B) with BR = 32 * NWARPS; block: 32 * NWARPS threads;
 // dynamic shared memory: (BR + 2 * 2 * BC) * D * 2 bytes (96 KB at D = 128, 48 KB at D = 64). Tiles are
-// BR x BC = 128 x 64 at both head dimensions (the block mask's tile size). Rows that see no key get o = 0 and
-// lse = -inf, as in rung 9.
+// BR x BC = 128 x 64 at both head dimensions, in both kernels (the block mask's tile size). Rows that see no key
+// get o = 0 and lse = -inf, as in rung 9.
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 #ifndef NWARPS
 #define NWARPS 4
 #endif
-// Keys per tile, by head dimension. With the leaner softmax, 64-key tiles fit in registers at d = 128 too.
+// Keys per tile, by head dimension, for both kernels. With the leaner softmax, 64-key tiles fit in registers at
+// d = 128 too; list mode's mask bits as well since K's lanes stopped costing register copies (on rung 9's lanes
+// it spilled 16 bytes on sm_90 and kept 32-key tiles at d = 128).
 #ifndef BC_D64
 #define BC_D64 64
 #endif
 #ifndef BC_D128
 #define BC_D128 64
-#endif
-// List mode at d = 128 reads its mask bits as well: with 64-key tiles that spills on sm_90 (16 bytes), so it keeps
-// rung 9's 32-key alternative there. Its tiles are then 128 x 32.
-#ifndef BC_LIST_D128
-#define BC_LIST_D128 32
 #endif
 #define MT 2  // 16-row mma tiles per warp
 #define BR (16 * MT * NWARPS)
@@ -228,13 +228,15 @@ __device__ void attn_sparse(const u16* __restrict__ q, const u16* __restrict__ k
     }
     cp_async_commit();
 
-    // ldmatrix lane pattern shared by Q, K and V: row lrow of a 16-row block, chunk C + lane / 16. The swizzled
+    // ldmatrix lane pattern of Q and V (A order): row lrow of a 16-row block, chunk C + lane / 16. The swizzled
     // byte column of chunk C (C even, a compile-time constant) is (C & ~7) * 16 + (((C & 7) * 16) ^ tsw): one XOR
     // with an immediate, the rest folds into the address.
     const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8;
     const u32 tsw = (u32)((lane >> 4) ^ (lane & 7)) << 4;
     const u32 qlane = qs + (wrow + lrow) * D * 2;
 #define SWCOL(C) (((C) & ~7) * 16 + ((((C) & 7) << 4) ^ tsw))
+// K's (B order): row krow, chunk C + lane / 8 % 2; the same arithmetic with its own swizzle term ktsw.
+#define KSWCOL(C) (((C) & ~7) * 16 + ((((C) & 7) << 4) ^ ktsw))
 
     float oacc[MT][D / 8][4];
     float mx[MT][2], l[MT][2];
@@ -253,19 +255,23 @@ __device__ void attn_sparse(const u16* __restrict__ q, const u16* __restrict__ k
         // a register for the whole loop, and at d = 128 there are none to spare (ptxas spilled).
         u32 qtile;
         asm volatile("mov.u32 %0, %1;" : "=r"(qtile) : "r"(qlane));
+        // The K and V lane terms are re-derived every tile from the lane, for the same reason.
+        u32 ln;
+        asm volatile("mov.u32 %0, %1;" : "=r"(ln) : "r"(lane));
         const int stage = LIST ? p & 1 : it & 1;
-        const u32 klane = kbuf + stage * BC * D * 2 + lrow * D * 2;
-        const u32 vlane = vbuf + stage * BC * D * 2 + lrow * D * 2;
+        const u32 ktsw = (((ln >> 3) & 1) ^ (ln & 7)) << 4;
+        const u32 klane = kbuf + stage * BC * D * 2 + ((ln & 7) + (ln >> 4) * 8) * D * 2;
+        const u32 vlane = vbuf + stage * BC * D * 2 + ((ln & 7) + ((ln >> 3) & 1) * 8) * D * 2;  // Q's pattern
+        cp_async_wait<0>();  // this thread's part of this tile (and, on the first, of Q): the only group in flight
+        // Everyone's part of this tile has landed; and every warp is done with the previous one, so its buffers
+        // are free for the next.
+        __syncthreads();
         if (pn < pend) {
             const int kn = key_tile(pn) * BC;
             copy_rows<D, BC>(kbuf + (stage ^ 1) * BC * D * 2, kb, kn, m);
             copy_rows<D, BC>(vbuf + (stage ^ 1) * BC * D * 2, vb, kn, m);
             cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
         }
-        __syncthreads();
 
         // S = Q K^T for both 16-row tiles: each K fragment (ldmatrix.x4: 16 keys x 16 d) feeds 4 mma.
         float s[MT][BC / 8][4];
@@ -280,13 +286,13 @@ __device__ void attn_sparse(const u16* __restrict__ q, const u16* __restrict__ k
             for (int mt = 0; mt < MT; ++mt) ldsm_x4(qa[mt], qtile + mt * 16 * D * 2 + SWCOL(kk * 2));
 #pragma unroll
             for (int nt = 0; nt < BC / 8; nt += 2) {
-                // blocks: (keys nt, d lo), (keys nt+1, d lo), (keys nt, d hi), (keys nt+1, d hi)
+                // blocks: (keys nt, d lo), (keys nt, d hi), (keys nt+1, d lo), (keys nt+1, d hi)
                 u32 bf[4];
-                ldsm_x4(bf, klane + nt * 8 * D * 2 + SWCOL(kk * 2));
+                ldsm_x4(bf, klane + nt * 8 * D * 2 + KSWCOL(kk * 2));
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    Ty::mma(s[mt][nt], qa[mt], bf[0], bf[2]);
-                    Ty::mma(s[mt][nt + 1], qa[mt], bf[1], bf[3]);
+                    Ty::mma(s[mt][nt], qa[mt], bf[0], bf[1]);
+                    Ty::mma(s[mt][nt + 1], qa[mt], bf[2], bf[3]);
                 }
             }
         }
@@ -385,11 +391,11 @@ __device__ void attn_sparse(const u16* __restrict__ q, const u16* __restrict__ k
                 }
             }
         }
-        __syncthreads();  // every warp is done with this buffer before the next iteration refills it
         p = pn;
     }
     cp_async_wait<0>();  // (no computed tile: the Q copy is still owed)
 #undef SWCOL
+#undef KSWCOL
 
     // Re-read the block, head and batch index here: kept from the prologue, the output pointers would hold registers
     // through the whole loop (ptxas spilled them at d = 128).
@@ -425,7 +431,7 @@ __device__ void attn_sparse(const u16* __restrict__ q, const u16* __restrict__ k
         NAME(const u16* q, const u16* k, const u16* v, u16* o, float* lse, int n, int m, int H, int Hk, float scale, \
              int left, int right, int stride, int reverse, const int* row_ptr, const int* tiles, const int* slots,  \
              const u32* bits) {                                                                     \
-        attn_sparse<TY, D, (D == 128 ? (LIST ? BC_LIST_D128 : BC_D128) : BC_D64), LIST>(q, k, v, o, lse, n, m, H, Hk, scale, left, right,   \
+        attn_sparse<TY, D, (D == 128 ? BC_D128 : BC_D64), LIST>(q, k, v, o, lse, n, m, H, Hk, scale, left, right,  \
                                                                  stride, reverse, row_ptr, tiles, slots, bits);     \
     }
 
