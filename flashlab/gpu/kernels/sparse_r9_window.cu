@@ -174,6 +174,23 @@ __device__ __forceinline__ void mask_window(float (&s)[BC / 8][4], int c0, int d
             }
 }
 
+// The same without a dilation (stride 1), the common case: a row sees an interval of keys, so the bounds are taken
+// once per row, relative to the thread's first column c0, and each element is two compares with its compile-time
+// offset 8 nt + e1 and a select (mask_window spends about twice that: the delta, three compares, the stride test).
+// Windows of a few tiles are mostly partial tiles, so this is most of what a small window pays over dense tiles.
+template <int BC>
+__device__ __forceinline__ void mask_interval(float (&s)[BC / 8][4], int c0, int d0, int m, int left, int right) {
+#pragma unroll
+    for (int e2 = 0; e2 < 2; ++e2) {
+        const int lo = e2 * 8 - left - d0, hi = min(e2 * 8 + right - d0, m - 1 - c0);  // offsets seen: lo .. hi
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; ++nt)
+#pragma unroll
+            for (int e1 = 0; e1 < 2; ++e1)
+                if (nt * 8 + e1 < lo || nt * 8 + e1 > hi) s[nt][e2 * 2 + e1] = NEG_INF;
+    }
+}
+
 template <class Ty, int D, int BC, bool LIST>
 __device__ void attn_sparse(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                             u16* __restrict__ o, float* __restrict__ lse, int n, int m, int H, int Hk, float scale,
@@ -323,7 +340,9 @@ __device__ void attn_sparse(const u16* __restrict__ q, const u16* __restrict__ k
                             if (!((w >> ((e >> 1) * (BC / 4) + nt * 2 + (e & 1))) & 1u)) s[mt][nt][e] = NEG_INF;
                 } else {
                     const int c0 = k0 + tg * 2, d0 = c0 - (q0 + wrow + mt * 16 + g + off);  // first column, delta
-                    if ((stride & (stride - 1)) == 0)  // uniform: a power of two (1 included) tests with an AND
+                    if (stride == 1)  // uniform branches: no dilation; a power of two tests with an AND
+                        mask_interval<BC>(s[mt], c0, d0, m, left, right);
+                    else if ((stride & (stride - 1)) == 0)
                         mask_window<true, BC>(s[mt], c0, d0, m, left, right, stride);
                     else
                         mask_window<false, BC>(s[mt], c0, d0, m, left, right, stride);
