@@ -328,7 +328,16 @@ __device__ void attn_sparse(const u16* __restrict__ q, const u16* __restrict__ k
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             const int slot = LIST ? __ldg(slots + pm) : -1;
-            if (LIST ? slot >= 0 : window_partial) {
+            // A cut tile (window mode) is cut again per 16-row tile, warp by warp: beside the diagonal and the far
+            // edge of a window, some of its rows often see all its keys. Full tiles skip the test.
+            bool cut = window_partial;
+            if (!LIST && cut && stride == 1) {
+                u32 wv;  // the warp's first row re-derived here: kept from the prologue, it made d = 128 spill
+                asm volatile("mov.u32 %0, %1;" : "=r"(wv) : "r"(warp));
+                const int rt = q0 + (int)wv * 16 * MT + mt * 16;
+                cut = k0 - (rt + 15) - off < -left || min(k0 + BC, m) - 1 - rt - off > right;
+            }
+            if (LIST ? slot >= 0 : cut) {
                 if (LIST) {
                     // This thread's bits of the tile (BC / 2 of its 32), in its fragment order: one coalesced load per 16-row
                     // tile. Bit (e / 2) * BC / 4 + 2 nt + e % 2 is element e of fragment nt.
