@@ -72,16 +72,18 @@ def test_plan_names_the_sparse_kernel_or_says_why_not(monkeypatch):
         assert fgpu.plan_for("forward", a100, d=d, sparse="window").kernel == "sparse_window"
         assert fgpu.plan_for("forward", a100, d=d, sparse="blocks").kernel == "sparse_blocks"
     # Where the window kernel's 64-key tiles spill, its 32-key variant runs: the plan reads SPARSE_SPILLS.
-    monkeypatch.setattr(fgpu, "SPARSE_SPILLS", {("sparse_window", 128): (80,)})
-    fgpu._sparse_plan.cache_clear()
-    plan = fgpu.plan_for("forward", a100, d=128, sparse="window")
-    assert plan.kernel == "sparse_window_c32" and "spills registers at d = 128 on sm_80" in plan.reason
-    with pytest.raises(ValueError, match="'best' would choose 'sparse_window_c32'"):
-        fgpu.plan_for("forward", a100, d=128, sparse="window", kernel="sparse_window")
-    assert fgpu.plan_for("forward", a100, d=64, sparse="window").kernel == "sparse_window"
-    assert fgpu.plan_for("forward", h200, d=128, sparse="window").kernel == "sparse_window"
-    monkeypatch.undo()
-    fgpu._sparse_plan.cache_clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(fgpu, "SPARSE_SPILLS", {("sparse_window", 128): (80,)})
+        fgpu._sparse_plan.cache_clear()
+        try:
+            plan = fgpu.plan_for("forward", a100, d=128, sparse="window")
+            assert plan.kernel == "sparse_window_c32" and "spills registers at d = 128 on sm_80" in plan.reason
+            with pytest.raises(ValueError, match="'best' would choose 'sparse_window_c32'"):
+                fgpu.plan_for("forward", a100, d=128, sparse="window", kernel="sparse_window")
+            assert fgpu.plan_for("forward", a100, d=64, sparse="window").kernel == "sparse_window"
+            assert fgpu.plan_for("forward", h200, d=128, sparse="window").kernel == "sparse_window"
+        finally:
+            fgpu._sparse_plan.cache_clear()  # the plans made with the patched table
     with pytest.raises(ValueError, match="'window' or 'blocks'"):
         fgpu.plan_for("forward", h200, sparse="diagonal")
     with pytest.raises(ValueError, match="sparse_window"):

@@ -559,9 +559,9 @@ SPARSE_KERNELS: dict[str, Rung] = {
                           "rung 11 over the key tiles a sliding (dilated) window reaches, classified from its formula"),
     "sparse_blocks": Rung("sparse_blocks", SPARSE_FILE, 128, 128, ("f16", "bf16"), 80, (128 + 4 * 64) * 2,
                           "rung 11 over a list of computed tiles per query block; partial tiles masked by their bits"),
-    # The window kernel with 32-key tiles at d = 128 (245 registers on sm_80-90, no spill): the plan's fallback
-    # where 64-key tiles would spill. With K's lanes of rung 11 they spill nowhere (SPARSE_SPILLS is empty), so it
-    # runs when asked for by name.
+    # The window kernel with 32-key tiles at d = 128 (236-245 registers on sm_80-90, no spill): the plan's fallback
+    # where 64-key tiles would spill. On rung 11's loop they spill nowhere (SPARSE_SPILLS is empty), so it runs
+    # when asked for by name.
     "sparse_window_c32": Rung("sparse_window_c32", SPARSE_FILE, 128, 128, ("f16", "bf16"), 80,
                               ((128 + 4 * 64) * 2, (128 + 4 * 32) * 2),
                               "the window kernel with 32-key tiles at d = 128, for the GPUs where 64 spill",
@@ -574,7 +574,8 @@ SPARSE_TILES = {"sparse_window": {64: (128, 64), 128: (128, 64)}, "sparse_blocks
                 "sparse_window_c32": {64: (128, 64), 128: (128, 32)}}
 # (kernel, d) -> the architectures where its functions spill (nvcc 13, --resource-usage), as SPILLS for the rungs.
 # None: on rung 9's K lanes the window kernel spilled at d = 128 on sm_80-89 (the plan took sparse_window_c32
-# there) and the list kernel needed 32-key tiles at d = 128; K's lanes of rung 11 freed the registers.
+# there) and the list kernel needed 32-key tiles at d = 128; rung 11's K lanes freed the registers (ptxas had
+# copied K's fragments into mma order).
 SPARSE_SPILLS: dict[tuple[str, int], tuple[int, ...]] = {}
 
 
