@@ -14,9 +14,9 @@
 //   visited (inside it, a dilated tile with no visible key is skipped).
 // * attn_blocks_*: any pattern, as a compressed list per query block (CSR, as FlexAttention's kv_indices):
 //   row_ptr[b] .. row_ptr[b + 1] index tiles[] (the computed key tiles, in order) and slots[] (-1 for FULL, else
-//   the PARTIAL tile's slot in bits[]); bits[slot * BR + r] holds the BC = 64 visibility bits of row r of that
-//   tile, one 64-bit word per row. A thread reads the 4 words of its 4 rows per PARTIAL tile (L1/L2 hits: the
-//   tile's 1 KB serves its 128 threads), so the mask costs 1 KB per partial tile and nothing per full or empty
+//   the PARTIAL tile's slot in bits[]); bits[(slot * MT + mt) * NTHREADS + t] holds thread t's BC / 2 = 32
+//   visibility bits of 16-row tile mt in the order of its mma accumulators (flashlab.gpu.pack_fragment_bits): one
+//   coalesced 32-bit load per 16-row tile, so the mask costs 1 KB per partial tile and nothing per full or empty
 //   one; a dense n x m mask would cost a byte per element and a read per element.
 // Query blocks run last first when `reverse` (the launcher sets it where later blocks have more tiles, as causal
 // windows without a left limit: the longest blocks start first).
