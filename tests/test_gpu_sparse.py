@@ -55,7 +55,7 @@ def test_fragment_bits_follow_the_mma_accumulator_layout(rng):
         fgpu.pack_fragment_bits(np.zeros((1, 64, 64), bool))
 
 
-def test_plan_names_the_sparse_kernel_or_says_why_not():
+def test_plan_names_the_sparse_kernel_or_says_why_not(monkeypatch):
     h200, a100, t4 = (fgpu.KNOWN_DEVICES[name] for name in ("H200", "A100", "T4"))
     for sparse in ("window", "blocks"):
         for d in fgpu.HEAD_DIMS:
@@ -68,13 +68,22 @@ def test_plan_names_the_sparse_kernel_or_says_why_not():
             fgpu.plan_for("forward", h200, dtype="f32", d=64, sparse=sparse)
         with pytest.raises(ValueError, match="scale > 0"):
             fgpu.plan_for("forward", h200, d=64, sparse=sparse, positive_scale=False)
-    # The window kernel keeps 64-key tiles at d = 128, which spill on sm_80-89: its 32-key variant runs there.
-    plan = fgpu.plan_for("forward", a100, d=128, sparse="window")
-    assert plan.kernel == "sparse_window_c32" and "spills registers at d = 128 on sm_80" in plan.reason
-    with pytest.raises(ValueError, match="'best' would choose 'sparse_window_c32'"):
-        fgpu.plan_for("forward", a100, d=128, sparse="window", kernel="sparse_window")
-    assert fgpu.plan_for("forward", a100, d=64, sparse="window").kernel == "sparse_window"
-    assert fgpu.plan_for("forward", a100, d=128, sparse="blocks").kernel == "sparse_blocks"
+    for d in fgpu.HEAD_DIMS:  # nothing spills on sm_80 (SPARSE_SPILLS): the 64-key kernels run there too
+        assert fgpu.plan_for("forward", a100, d=d, sparse="window").kernel == "sparse_window"
+        assert fgpu.plan_for("forward", a100, d=d, sparse="blocks").kernel == "sparse_blocks"
+    # Where the window kernel's 64-key tiles spill, its 32-key variant runs: the plan reads SPARSE_SPILLS.
+    with monkeypatch.context() as patch:
+        patch.setattr(fgpu, "SPARSE_SPILLS", {("sparse_window", 128): (80,)})
+        fgpu._sparse_plan.cache_clear()
+        try:
+            plan = fgpu.plan_for("forward", a100, d=128, sparse="window")
+            assert plan.kernel == "sparse_window_c32" and "spills registers at d = 128 on sm_80" in plan.reason
+            with pytest.raises(ValueError, match="'best' would choose 'sparse_window_c32'"):
+                fgpu.plan_for("forward", a100, d=128, sparse="window", kernel="sparse_window")
+            assert fgpu.plan_for("forward", a100, d=64, sparse="window").kernel == "sparse_window"
+            assert fgpu.plan_for("forward", h200, d=128, sparse="window").kernel == "sparse_window"
+        finally:
+            fgpu._sparse_plan.cache_clear()  # the plans made with the patched table
     with pytest.raises(ValueError, match="'window' or 'blocks'"):
         fgpu.plan_for("forward", h200, sparse="diagonal")
     with pytest.raises(ValueError, match="sparse_window"):
@@ -85,9 +94,9 @@ def test_plan_names_the_sparse_kernel_or_says_why_not():
 def test_sparse_tiles_are_the_kernel_file_tiles():
     """SPARSE_TILES (what a block mask is built with) is what the kernel file compiles: BR rows, BC_* keys."""
     src = (fgpu.KERNEL_DIR / fgpu.SPARSE_FILE).read_text()
-    define = {name: int(value) for name, value in re.findall(r"#define (BC_D64|BC_D128|BC_LIST_D128) (\d+)", src)}
-    assert fgpu.SPARSE_TILES["sparse_window"] == {64: (128, define["BC_D64"]), 128: (128, define["BC_D128"])}
-    assert fgpu.SPARSE_TILES["sparse_blocks"] == {64: (128, define["BC_D64"]), 128: (128, define["BC_LIST_D128"])}
+    define = {name: int(value) for name, value in re.findall(r"#define (BC_D64|BC_D128) (\d+)", src)}
+    for name in ("sparse_window", "sparse_blocks"):
+        assert fgpu.SPARSE_TILES[name] == {64: (128, define["BC_D64"]), 128: (128, define["BC_D128"])}, name
     c32 = fgpu.SPARSE_KERNELS["sparse_window_c32"]
     assert c32.defines == ("-DBC_D128=32",) and fgpu.SPARSE_TILES[c32.name] == {64: (128, define["BC_D64"]),
                                                                                128: (128, 32)}
@@ -263,9 +272,8 @@ def test_the_make_target_runs_the_recorded_command():
 def test_selfcheck_runs_each_sparse_kernel_this_gpu_runs_and_names_the_others(gpu_like, capsys):  # noqa: F811
     """``python -m flashlab selfcheck sparse`` (what ``make sanitize`` runs the sparse kernels through) on simulated
     GPUs whose launches are recorded, not run: on a T4 it launches nothing and says why for each kernel, dtype and d;
-    on an A100 it launches every kernel, dtype, d and case the plan allows there (the window kernel's 64-key tiles
-    spill at d = 128: skipped, named) and fails each of them, since a kernel that never ran left its poisoned
-    outputs unwritten."""
+    on an A100 it launches every kernel, dtype, d and case the plan allows there (all of them: none spills) and
+    fails each of them, since a kernel that never ran left its poisoned outputs unwritten."""
     from flashlab.gpu import selfcheck
 
     launches = gpu_like(fgpu.KNOWN_DEVICES["T4"])
@@ -286,9 +294,9 @@ def test_selfcheck_runs_each_sparse_kernel_this_gpu_runs_and_names_the_others(gp
     with np.errstate(invalid="ignore"):
         assert selfcheck.main(["sparse"]) == 1
     out = capsys.readouterr().out
-    assert [(file, fn) for file, fn, _ in launches] == expected and len(expected) == 4 + 8 + 8
+    assert [(file, fn) for file, fn, _ in launches] == expected and len(expected) == 8 + 8 + 8
     assert out.count(" FAIL\n") == len(expected) and f"selfcheck: {len(expected)} FAILED" in out
-    assert out.count("skipped: spills registers at d = 128 on sm_80") == 2
+    assert "skipped" not in out
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the host emulation of the kernels needs g++")
@@ -387,7 +395,7 @@ def test_sliding_windows_on_ragged_shapes(rng, dt):
 
 @pytest.mark.gpu
 def test_the_32_key_window_variant(rng):
-    """sparse_window_c32 (what the plan takes at d = 128 where 64-key tiles spill), asked for by name."""
+    """sparse_window_c32 (what the plan would take at d = 128 where 64-key tiles spill), asked for by name."""
     for dt, (n, m, left, right, r) in zip(HALF, ((200, 170, 45, 3, 1), (130, 300, None, 0, 4)), strict=True):
         _check(rng, dt, (1, 2, 1, n, m, 128), blocksparse.dilated(r, left=left, right=right), window=(left, right),
                dilation=r, kernel="sparse_window_c32")
@@ -498,9 +506,10 @@ def test_bad_sparse_inputs_get_clear_errors():
     bm = blocksparse.causal().block_mask(100, 100, *fgpu.sparse_block(64))
     with pytest.raises(ValueError, match="n = 100 queries and m = 100 keys; this call has n = 100, m = 90"):
         fgpu.attention(x, x[..., :90, :], x[..., :90, :], block_mask=bm)
-    with pytest.raises(ValueError, match=r"at d = 128 the block-sparse kernel reads 128 x 32"):
+    with pytest.raises(ValueError, match=r"tiles of 128 x 32; the block-sparse kernel reads tiles of 128 x 64 "
+                                         r"\(d = 64 or 128\)"):
         y = cp.zeros((1, 1, 100, 128), dtype=cp.float16)
-        fgpu.attention(y, y, y, block_mask=bm)
+        fgpu.attention(y, y, y, block_mask=blocksparse.causal().block_mask(100, 100, 128, 32))
     with pytest.raises(ValueError, match="tiles of 64 x 64"):
         fgpu.attention(x, x, x, block_mask=blocksparse.causal().block_mask(100, 100, 64, 64))
     with pytest.raises(TypeError, match="BlockMask"):

@@ -552,18 +552,19 @@ def _forward_plan(dt: str, d: int, positive_scale: bool, kernel: str | Rung, lim
 
 
 # ------------------------------------------------------------------------------------ block-sparse attention
-# The block-sparse forward (sparse_r9_window.cu): rung 9's loop over the computed tiles of a pattern only. One file,
+# The block-sparse forward (sparse_r9_window.cu): rung 11's loop over the computed tiles of a pattern only. One file,
 # two kernels: "sparse_window" takes a sliding window (and a dilation) as numbers, "sparse_blocks" any pattern as a
 # list of computed tiles per query block with the bits of its partial tiles. Not rungs of the ladder: they answer
 # another question (which tiles), so "best" never picks them for a dense call, nor a rung for a sparse one.
 SPARSE_FILE = "sparse_r9_window.cu"
 SPARSE_KERNELS: dict[str, Rung] = {
     "sparse_window": Rung("sparse_window", SPARSE_FILE, 128, 128, ("f16", "bf16"), 80, (128 + 4 * 64) * 2,
-                          "rung 9 over the key tiles a sliding (dilated) window reaches, classified from its formula"),
-    "sparse_blocks": Rung("sparse_blocks", SPARSE_FILE, 128, 128, ("f16", "bf16"), 80,
-                          ((128 + 4 * 64) * 2, (128 + 4 * 32) * 2),
-                          "rung 9 over a list of computed tiles per query block; partial tiles masked by their bits"),
-    # The window kernel with 32-key tiles at d = 128 (231 registers on sm_80, no spill): where the other spills.
+                          "rung 11 over the key tiles a sliding (dilated) window reaches, classified from its formula"),
+    "sparse_blocks": Rung("sparse_blocks", SPARSE_FILE, 128, 128, ("f16", "bf16"), 80, (128 + 4 * 64) * 2,
+                          "rung 11 over a list of computed tiles per query block; partial tiles masked by their bits"),
+    # The window kernel with 32-key tiles at d = 128 (236-245 registers on sm_80-90, no spill): the plan's fallback
+    # where 64-key tiles would spill. On rung 11's loop they spill nowhere (SPARSE_SPILLS is empty), so it runs
+    # when asked for by name.
     "sparse_window_c32": Rung("sparse_window_c32", SPARSE_FILE, 128, 128, ("f16", "bf16"), 80,
                               ((128 + 4 * 64) * 2, (128 + 4 * 32) * 2),
                               "the window kernel with 32-key tiles at d = 128, for the GPUs where 64 spill",
@@ -572,12 +573,13 @@ SPARSE_KERNELS: dict[str, Rung] = {
 # What each kind of call may run, fastest first (the plan takes the first this device runs without spilling).
 SPARSE_MODES = {"window": ("sparse_window", "sparse_window_c32"), "blocks": ("sparse_blocks",)}
 # Tile (queries x keys) of each kernel per head dimension; a block mask for sparse_blocks is built with these.
-SPARSE_TILES = {"sparse_window": {64: (128, 64), 128: (128, 64)}, "sparse_blocks": {64: (128, 64), 128: (128, 32)},
+SPARSE_TILES = {"sparse_window": {64: (128, 64), 128: (128, 64)}, "sparse_blocks": {64: (128, 64), 128: (128, 64)},
                 "sparse_window_c32": {64: (128, 64), 128: (128, 32)}}
-# (kernel, d) -> the architectures where its functions spill (nvcc 13, --resource-usage), as SPILLS for the rungs:
-# the window kernel at d = 128 keeps rung 9's 64-key tiles, which need a few more registers than sm_80-89 give
-# (the plan takes sparse_window_c32 there).
-SPARSE_SPILLS = {("sparse_window", 128): (80, 86, 89)}
+# (kernel, d) -> the architectures where its functions spill (nvcc 13, --resource-usage), as SPILLS for the rungs.
+# None: on rung 9's K lanes the window kernel spilled at d = 128 on sm_80-89 (the plan took sparse_window_c32
+# there) and the list kernel needed 32-key tiles at d = 128; rung 11's K lanes freed the registers (ptxas had
+# copied K's fragments into mma order).
+SPARSE_SPILLS: dict[tuple[str, int], tuple[int, ...]] = {}
 
 
 def sparse_block(d: int) -> tuple[int, int]:
@@ -593,14 +595,14 @@ def sparse_problem(name: str, dt: str, d: int, positive_scale: bool, lim: Device
     can). Its spills count as a reason, as for "best": no other kernel can stand in for it."""
     rung = SPARSE_KERNELS[name]
     if dt not in rung.dtypes:
-        return f"takes float16 or bfloat16 (it is rung 9's tensor-core loop), not {dt}"
+        return f"takes float16 or bfloat16 (it is rung 11's tensor-core loop), not {dt}"
     problem = launch_problem(f" at d = {d}", min_cc=rung.min_cc, shared_bytes=rung.shared_bytes(d),
                              threads=rung.threads, lim=lim)
     if problem is None and compiled_arch(lim.cc) in SPARSE_SPILLS.get((name, d), ()):
         problem = (f"spills registers at d = {d} on sm_{compiled_arch(lim.cc)} (more than the "
                    f"{MAX_REGISTERS_PER_THREAD} registers a thread may hold; flashlab.gpu.SPARSE_SPILLS)")
     if problem is None and not positive_scale:
-        problem = "needs scale > 0 (it keeps the max of unscaled scores, as rung 9)"
+        problem = "needs scale > 0 (it keeps the max of unscaled scores, as rungs 9-11)"
     return problem
 
 
@@ -690,8 +692,11 @@ def sparse_layout(block_mask) -> SparseLayout:
                         f"*flashlab.gpu.sparse_block(d))) or a SparseLayout; got {type(block_mask).__name__}")
     bq, bk = block_mask.block_q, block_mask.block_k
     if (bq, bk) not in set(SPARSE_TILES["sparse_blocks"].values()):
+        dims: dict[tuple[int, int], list[str]] = {}  # each tile shape once, with the head dimensions that read it
+        for d, tile in SPARSE_TILES["sparse_blocks"].items():
+            dims.setdefault(tile, []).append(str(d))
         raise ValueError(f"the block mask has tiles of {bq} x {bk}; the block-sparse kernel reads tiles of "
-                         + " or ".join(f"{a} x {b} (d = {d})" for d, (a, b) in SPARSE_TILES["sparse_blocks"].items())
+                         + " or ".join(f"{a} x {b} (d = {' or '.join(ds)})" for (a, b), ds in dims.items())
                          + ": build it with pattern.block_mask(n, m, *flashlab.gpu.sparse_block(d))")
     kinds = block_mask.kinds.copy()
     if block_mask.m % bk:  # a short last key tile: its missing keys need the mask
@@ -788,7 +793,8 @@ def plan(q, k, v, *, causal: bool = False, scale: float | None = None, kernel: s
     kernel that cannot run raises ValueError naming the limit. ``print(plan(q, k, v))`` says what was chosen and
     why each faster rung was passed over. The backward and decoding have ``plan_backward`` and ``plan_decode``.
     A block-sparse call (``window=`` or ``block_mask=``) runs a kernel of ``SPARSE_MODES``: ``sparse_window`` (or
-    ``sparse_window_c32`` where it spills) or ``sparse_blocks``; where this GPU runs none, ValueError says why.
+    ``sparse_window_c32`` where it would spill: ``SPARSE_SPILLS``) or ``sparse_blocks``; where this GPU runs none,
+    ValueError says why.
     """
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be True or False; got {causal!r}")

@@ -1,9 +1,12 @@
-// Block-sparse attention on rung 9: the key tiles a pattern leaves empty are never loaded or computed. Needs sm_80.
+// Block-sparse attention on rung 11: the key tiles a pattern leaves empty are never loaded or computed. Needs sm_80.
 //
-// Rung 9's loop runs over every key tile up to the causal edge; this kernel runs over the computed tiles of a
-// pattern only, and masks element by element only the tiles the pattern cuts (PARTIAL); FULL tiles run rung 9's
-// unmasked path (a last, ragged key tile still masks its columns past m). The math per tile is rung 9's. Two
-// ways to say which tiles a query block computes, one kernel for each:
+// Rung 11's loop runs over every key tile up to the causal edge; this kernel runs over the computed tiles of a
+// pattern only, and masks element by element only the tiles the pattern cuts (PARTIAL); FULL tiles run rung 11's
+// unmasked path (a last, ragged key tile still masks its columns past m). The math per tile is rung 11's: one
+// barrier per tile (rung 10: the next computed tile's copy is issued after the barrier that opens this one) and
+// K's ldmatrix lanes in B order (rung 11: each mma finds its two K registers side by side, so ptxas no longer
+// copies them into place). The file was first written on rung 9 and keeps its name. Two ways to say which tiles
+// a query block computes, one kernel for each:
 // * attn_window_*: a sliding window with an optional dilation, as three numbers: query i sees key j when
 //   -left <= delta <= right and delta % stride == 0, delta = j - (i + m - n) (the course's causal alignment;
 //   "no limit" is passed as n + m). The key range of a block, the kind of each tile and the mask of an element
@@ -11,9 +14,9 @@
 //   visited (inside it, a dilated tile with no visible key is skipped).
 // * attn_blocks_*: any pattern, as a compressed list per query block (CSR, as FlexAttention's kv_indices):
 //   row_ptr[b] .. row_ptr[b + 1] index tiles[] (the computed key tiles, in order) and slots[] (-1 for FULL, else
-//   the PARTIAL tile's slot in bits[]); bits[slot * BR + r] holds the BC = 64 visibility bits of row r of that
-//   tile, one 64-bit word per row. A thread reads the 4 words of its 4 rows per PARTIAL tile (L1/L2 hits: the
-//   tile's 1 KB serves its 128 threads), so the mask costs 1 KB per partial tile and nothing per full or empty
+//   the PARTIAL tile's slot in bits[]); bits[(slot * MT + mt) * NTHREADS + t] holds thread t's BC / 2 = 32
+//   visibility bits of 16-row tile mt in the order of its mma accumulators (flashlab.gpu.pack_fragment_bits): one
+//   coalesced 32-bit load per 16-row tile, so the mask costs 1 KB per partial tile and nothing per full or empty
 //   one; a dense n x m mask would cost a byte per element and a read per element.
 // Query blocks run last first when `reverse` (the launcher sets it where later blocks have more tiles, as causal
 // windows without a left limit: the longest blocks start first).
@@ -21,24 +24,21 @@
 // Inputs fp16 or bf16 (raw 16-bit patterns). Layout: q (B, H, n, D), k and v (B, Hk, m, D), o like q,
 // lse (B, H, n) fp32. Grid: (ceil(n / BR), H, B) with BR = 32 * NWARPS; block: 32 * NWARPS threads;
 // dynamic shared memory: (BR + 2 * 2 * BC) * D * 2 bytes (96 KB at D = 128, 48 KB at D = 64). Tiles are
-// BR x BC = 128 x 64 at both head dimensions (the block mask's tile size). Rows that see no key get o = 0 and
-// lse = -inf, as in rung 9.
+// BR x BC = 128 x 64 at both head dimensions, in both kernels (the block mask's tile size). Rows that see no key
+// get o = 0 and lse = -inf, as in rung 9.
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 #ifndef NWARPS
 #define NWARPS 4
 #endif
-// Keys per tile, by head dimension. With the leaner softmax, 64-key tiles fit in registers at d = 128 too.
+// Keys per tile, by head dimension, for both kernels. With the leaner softmax, 64-key tiles fit in registers at
+// d = 128 too; list mode's mask bits as well since K's lanes stopped costing register copies (on rung 9's lanes
+// it spilled 16 bytes on sm_90 and kept 32-key tiles at d = 128).
 #ifndef BC_D64
 #define BC_D64 64
 #endif
 #ifndef BC_D128
 #define BC_D128 64
-#endif
-// List mode at d = 128 reads its mask bits as well: with 64-key tiles that spills on sm_90 (16 bytes), so it keeps
-// rung 9's 32-key alternative there. Its tiles are then 128 x 32.
-#ifndef BC_LIST_D128
-#define BC_LIST_D128 32
 #endif
 #define MT 2  // 16-row mma tiles per warp
 #define BR (16 * MT * NWARPS)
@@ -174,6 +174,23 @@ __device__ __forceinline__ void mask_window(float (&s)[BC / 8][4], int c0, int d
             }
 }
 
+// The same without a dilation (stride 1), the common case: a row sees an interval of keys, so the bounds are taken
+// once per row, relative to the thread's first column c0, and each element is two compares with its compile-time
+// offset 8 nt + e1 and a select (mask_window spends about twice that: the delta, three compares, the stride test).
+// Windows of a few tiles are mostly partial tiles, so this is most of what a small window pays over dense tiles.
+template <int BC>
+__device__ __forceinline__ void mask_interval(float (&s)[BC / 8][4], int c0, int d0, int m, int left, int right) {
+#pragma unroll
+    for (int e2 = 0; e2 < 2; ++e2) {
+        const int lo = e2 * 8 - left - d0, hi = min(e2 * 8 + right - d0, m - 1 - c0);  // offsets seen: lo .. hi
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; ++nt)
+#pragma unroll
+            for (int e1 = 0; e1 < 2; ++e1)
+                if (nt * 8 + e1 < lo || nt * 8 + e1 > hi) s[nt][e2 * 2 + e1] = NEG_INF;
+    }
+}
+
 template <class Ty, int D, int BC, bool LIST>
 __device__ void attn_sparse(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                             u16* __restrict__ o, float* __restrict__ lse, int n, int m, int H, int Hk, float scale,
@@ -228,13 +245,15 @@ __device__ void attn_sparse(const u16* __restrict__ q, const u16* __restrict__ k
     }
     cp_async_commit();
 
-    // ldmatrix lane pattern shared by Q, K and V: row lrow of a 16-row block, chunk C + lane / 16. The swizzled
+    // ldmatrix lane pattern of Q and V (A order): row lrow of a 16-row block, chunk C + lane / 16. The swizzled
     // byte column of chunk C (C even, a compile-time constant) is (C & ~7) * 16 + (((C & 7) * 16) ^ tsw): one XOR
     // with an immediate, the rest folds into the address.
     const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8;
     const u32 tsw = (u32)((lane >> 4) ^ (lane & 7)) << 4;
     const u32 qlane = qs + (wrow + lrow) * D * 2;
 #define SWCOL(C) (((C) & ~7) * 16 + ((((C) & 7) << 4) ^ tsw))
+// K's (B order): row krow, chunk C + lane / 8 % 2; the same arithmetic with its own swizzle term ktsw.
+#define KSWCOL(C) (((C) & ~7) * 16 + ((((C) & 7) << 4) ^ ktsw))
 
     float oacc[MT][D / 8][4];
     float mx[MT][2], l[MT][2];
@@ -253,19 +272,23 @@ __device__ void attn_sparse(const u16* __restrict__ q, const u16* __restrict__ k
         // a register for the whole loop, and at d = 128 there are none to spare (ptxas spilled).
         u32 qtile;
         asm volatile("mov.u32 %0, %1;" : "=r"(qtile) : "r"(qlane));
+        // The K and V lane terms are re-derived every tile from the lane, for the same reason.
+        u32 ln;
+        asm volatile("mov.u32 %0, %1;" : "=r"(ln) : "r"(lane));
         const int stage = LIST ? p & 1 : it & 1;
-        const u32 klane = kbuf + stage * BC * D * 2 + lrow * D * 2;
-        const u32 vlane = vbuf + stage * BC * D * 2 + lrow * D * 2;
+        const u32 ktsw = (((ln >> 3) & 1) ^ (ln & 7)) << 4;
+        const u32 klane = kbuf + stage * BC * D * 2 + ((ln & 7) + (ln >> 4) * 8) * D * 2;
+        const u32 vlane = vbuf + stage * BC * D * 2 + ((ln & 7) + ((ln >> 3) & 1) * 8) * D * 2;  // Q's pattern
+        cp_async_wait<0>();  // this thread's part of this tile (and, on the first, of Q): the only group in flight
+        // Everyone's part of this tile has landed; and every warp is done with the previous one, so its buffers
+        // are free for the next.
+        __syncthreads();
         if (pn < pend) {
             const int kn = key_tile(pn) * BC;
             copy_rows<D, BC>(kbuf + (stage ^ 1) * BC * D * 2, kb, kn, m);
             copy_rows<D, BC>(vbuf + (stage ^ 1) * BC * D * 2, vb, kn, m);
             cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
         }
-        __syncthreads();
 
         // S = Q K^T for both 16-row tiles: each K fragment (ldmatrix.x4: 16 keys x 16 d) feeds 4 mma.
         float s[MT][BC / 8][4];
@@ -280,13 +303,13 @@ __device__ void attn_sparse(const u16* __restrict__ q, const u16* __restrict__ k
             for (int mt = 0; mt < MT; ++mt) ldsm_x4(qa[mt], qtile + mt * 16 * D * 2 + SWCOL(kk * 2));
 #pragma unroll
             for (int nt = 0; nt < BC / 8; nt += 2) {
-                // blocks: (keys nt, d lo), (keys nt+1, d lo), (keys nt, d hi), (keys nt+1, d hi)
+                // blocks: (keys nt, d lo), (keys nt, d hi), (keys nt+1, d lo), (keys nt+1, d hi)
                 u32 bf[4];
-                ldsm_x4(bf, klane + nt * 8 * D * 2 + SWCOL(kk * 2));
+                ldsm_x4(bf, klane + nt * 8 * D * 2 + KSWCOL(kk * 2));
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    Ty::mma(s[mt][nt], qa[mt], bf[0], bf[2]);
-                    Ty::mma(s[mt][nt + 1], qa[mt], bf[1], bf[3]);
+                    Ty::mma(s[mt][nt], qa[mt], bf[0], bf[1]);
+                    Ty::mma(s[mt][nt + 1], qa[mt], bf[2], bf[3]);
                 }
             }
         }
@@ -305,7 +328,16 @@ __device__ void attn_sparse(const u16* __restrict__ q, const u16* __restrict__ k
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             const int slot = LIST ? __ldg(slots + pm) : -1;
-            if (LIST ? slot >= 0 : window_partial) {
+            // A cut tile (window mode) is cut again per 16-row tile, warp by warp: beside the diagonal and the far
+            // edge of a window, some of its rows often see all its keys. Full tiles skip the test.
+            bool cut = window_partial;
+            if (!LIST && cut && stride == 1) {
+                u32 wv;  // the warp's first row re-derived here: kept from the prologue, it made d = 128 spill
+                asm volatile("mov.u32 %0, %1;" : "=r"(wv) : "r"(warp));
+                const int rt = q0 + (int)wv * 16 * MT + mt * 16;
+                cut = k0 - (rt + 15) - off < -left || min(k0 + BC, m) - 1 - rt - off > right;
+            }
+            if (LIST ? slot >= 0 : cut) {
                 if (LIST) {
                     // This thread's bits of the tile (BC / 2 of its 32), in its fragment order: one coalesced load per 16-row
                     // tile. Bit (e / 2) * BC / 4 + 2 nt + e % 2 is element e of fragment nt.
@@ -317,7 +349,9 @@ __device__ void attn_sparse(const u16* __restrict__ q, const u16* __restrict__ k
                             if (!((w >> ((e >> 1) * (BC / 4) + nt * 2 + (e & 1))) & 1u)) s[mt][nt][e] = NEG_INF;
                 } else {
                     const int c0 = k0 + tg * 2, d0 = c0 - (q0 + wrow + mt * 16 + g + off);  // first column, delta
-                    if ((stride & (stride - 1)) == 0)  // uniform: a power of two (1 included) tests with an AND
+                    if (stride == 1)  // uniform branches: no dilation; a power of two tests with an AND
+                        mask_interval<BC>(s[mt], c0, d0, m, left, right);
+                    else if ((stride & (stride - 1)) == 0)
                         mask_window<true, BC>(s[mt], c0, d0, m, left, right, stride);
                     else
                         mask_window<false, BC>(s[mt], c0, d0, m, left, right, stride);
@@ -385,11 +419,11 @@ __device__ void attn_sparse(const u16* __restrict__ q, const u16* __restrict__ k
                 }
             }
         }
-        __syncthreads();  // every warp is done with this buffer before the next iteration refills it
         p = pn;
     }
     cp_async_wait<0>();  // (no computed tile: the Q copy is still owed)
 #undef SWCOL
+#undef KSWCOL
 
     // Re-read the block, head and batch index here: kept from the prologue, the output pointers would hold registers
     // through the whole loop (ptxas spilled them at d = 128).
@@ -425,7 +459,7 @@ __device__ void attn_sparse(const u16* __restrict__ q, const u16* __restrict__ k
         NAME(const u16* q, const u16* k, const u16* v, u16* o, float* lse, int n, int m, int H, int Hk, float scale, \
              int left, int right, int stride, int reverse, const int* row_ptr, const int* tiles, const int* slots,  \
              const u32* bits) {                                                                     \
-        attn_sparse<TY, D, (D == 128 ? (LIST ? BC_LIST_D128 : BC_D128) : BC_D64), LIST>(q, k, v, o, lse, n, m, H, Hk, scale, left, right,   \
+        attn_sparse<TY, D, (D == 128 ? BC_D128 : BC_D64), LIST>(q, k, v, o, lse, n, m, H, Hk, scale, left, right,  \
                                                                  stride, reverse, row_ptr, tiles, slots, bits);     \
     }
 
