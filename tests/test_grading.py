@@ -511,3 +511,46 @@ def test_a_learners_own_cell_that_reaches_an_answer_is_named(lab03_batch):
     q1 = next(q for q in r["questions"] if q["name"] == "q1")
     assert q1["score"] < q1["max_score"]
     assert q1["feedback"].startswith(f"Your notebook's first error: {r['notebook_error']}")
+
+
+# A CUDA lab's answer is a string built from lines the lab's grading module holds; in the sandbox's copy of the
+# package those constants are poisoned, so a kernel assembled from them fails to compile and names them.
+CUDA_CHEATS = {
+    "lab06_solution": ("lab06", "from flashlab.grading import lab06 as _l\nKERNEL = _l.render(_l.SOLUTION)\n",
+                       ("q1", "q2"), "flashlab.grading.lab06.SOLUTION"),
+    "lab06_mutant_parts": ("lab06", "from flashlab.grading import lab06 as _l\nKERNEL = _l.render(_l._update())\n",
+                           ("q1", "q2"), "flashlab.grading.lab06._"),
+    "lab07_solution": ("lab07", "from flashlab.grading import lab07 as _l\n"
+                                "KERNEL = _l.render_kernel(_l.KERNEL_SOLUTION)\n", ("q5",),
+                       "flashlab.grading.lab07.KERNEL_SOLUTION"),
+}
+
+
+@pytest.fixture(scope="module")
+def cuda_batch(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cuda_labs")
+    for lab_id in ("lab06", "lab07"):
+        solution = next((ROOT / "solutions").glob(f"{lab_id}_*.ipynb"))
+        nbformat.write(nbformat.read(solution, as_version=4), d / f"{lab_id}_honest.ipynb")
+    for name, (lab_id, cheat, _, _) in CUDA_CHEATS.items():
+        nb = nbformat.read(next((ROOT / "solutions").glob(f"{lab_id}_*.ipynb")), as_version=4)
+        at = max(i for i, c in enumerate(nb.cells) if c.cell_type == "code" and "KERNEL = " in c.source)
+        nb.cells.insert(at + 1, nbformat.v4.new_code_cell(cheat))
+        nbformat.write(nb, d / f"{name}.ipynb")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        batch.main([str(d), "--json", "--timeout", "300", "--seed", "3", *SANDBOX_FLAGS])
+    return {pathlib.Path(r["path"]).stem: r for r in map(json.loads, buf.getvalue().splitlines())}
+
+
+@pytest.mark.skipif(NO_SANDBOX, reason="the poisoned copy of the package is what the sandbox runs")
+def test_a_kernel_built_from_the_courses_lines_scores_zero_and_is_named(cuda_batch):
+    for lab_id in ("lab06", "lab07"):
+        honest = cuda_batch[f"{lab_id}_honest"]
+        assert honest["error"] is None and honest["score"] == honest["max_score"], honest
+    for name, (_, _, questions, named) in CUDA_CHEATS.items():
+        row = cuda_batch[name]
+        scores = {q["name"]: q for q in row["questions"]}
+        for question in questions:
+            assert scores[question]["score"] == 0, (name, scores[question])
+        assert named in scores[questions[0]]["feedback"] and "course's own answer" in scores[questions[0]]["feedback"]

@@ -31,6 +31,9 @@ grading module's own unlisted right implementations as it is (the student copy o
 
 Lab 06 lists nothing: its answer is a CUDA C string, built before any check runs. A sandboxed run that reaches a
 stub sees :class:`AnswerCalled`, whose message is the feedback: the judge outside should give that question 0.
+A CUDA lab's module holds the lines its answer is made of (the solution, the statements its mutants are built
+from): it names those constants in ``SANDBOX_POISON``, and the student copy replaces their values by :func:`poison`,
+preprocessor errors that name them, so that a kernel assembled from them fails to compile and says why.
 """
 
 from __future__ import annotations
@@ -285,6 +288,38 @@ def _strip_functions_locked(source: str, targets: dict[str, str], where: str) ->
     return "".join(lines)
 
 
+#: How many lines a poisoned constant has: code that indexes the lines of an answer string (lab 07 takes lines of
+#: its kernel's solution apart at import) still finds lines to take.
+POISON_LINES = 16
+
+
+def poison(name: str) -> str:
+    """What a constant that holds (part of) a CUDA lab's answer becomes in the student's copy: preprocessor errors
+    naming it, so that any kernel assembled from it fails to compile with that message, whatever else it holds."""
+    line = f'#error "{name} is the course\'s own answer: write these lines yourself"'
+    return "\n".join([line] * POISON_LINES)
+
+
+def _poison_constants(source: str, names: Sequence[str], module: str, where: str) -> str:
+    """``source`` with the value of each module-level assignment to ``names`` replaced by :func:`poison`."""
+    with AST_LOCK:
+        tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    found = {}
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
+            else []
+        for target in targets:
+            if isinstance(target, ast.Name) and target.id in names:
+                found[target.id] = node
+    missing = set(names) - set(found)
+    if missing:
+        raise LookupError(f"{where} assigns no module-level constant {', '.join(sorted(missing))}")
+    for name, node in sorted(found.items(), key=lambda item: item[1].lineno, reverse=True):
+        lines[node.lineno - 1: node.end_lineno] = [f"{name} = {poison(f'{module}.{name}')!r}\n"]
+    return "".join(lines)
+
+
 def student_package(dest: pathlib.Path | str, lab_id: str) -> pathlib.Path:
     """Write ``dest/flashlab``: the package with the bodies of ``lab_id``'s answer functions replaced by a raise.
 
@@ -307,4 +342,11 @@ def student_package(dest: pathlib.Path | str, lab_id: str) -> pathlib.Path:
         path = out.joinpath(*parts[1:])
         path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
         path.write_text(_strip_functions(path.read_text(), targets, str(path.relative_to(dest))))
+    # A CUDA lab's answer is a string (lines of a kernel), not a function: the constants it is built from are
+    # poisoned in the lab's own module (its SANDBOX_POISON), which the notebook imports to check itself
+    module_name = f"{PACKAGE}.grading.{lab_id}"
+    poisoned = tuple(getattr(importlib.import_module(module_name), "SANDBOX_POISON", ()))
+    if poisoned:
+        path = out / "grading" / f"{lab_id}.py"
+        path.write_text(_poison_constants(path.read_text(), poisoned, module_name, str(path.relative_to(dest))))
     return out

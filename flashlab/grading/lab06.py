@@ -58,6 +58,10 @@ LAB = Lab("lab06", "The online-softmax update in a CUDA kernel")
 # The course's own answers to each question (flashlab.grading.answers). None: the answer is a CUDA C string, built
 # before any check runs, so no package function is called while it is graded.
 ANSWERS: dict[str, tuple[str, ...]] = {}
+# ... but the answer's lines are in this module (the solution, and the statements every mutant is built from): in
+# the sandbox's copy of the package they are poisoned (answers.student_package), so that a KERNEL assembled from
+# them fails to compile with an error that names them.
+SANDBOX_POISON = ("SOLUTION", "_GUARD", "_HEAD")
 
 HEAD_DIMS = (16, 32, 64)
 THREADS = 128  # threads per block: one query row each

@@ -732,6 +732,9 @@ extern "C" __global__ void __launch_bounds__(32)
 qk_lab_d64(const u16* q, const u16* k, float* s, int m) { qk_tile<64>(q, k, s, m); }
 """
 
+# In the sandbox's copy of the package the solution's lines (and the mutants made from them) are poisoned
+# (answers.student_package): a KERNEL assembled from them fails to compile with an error that names them.
+SANDBOX_POISON = ("KERNEL_SOLUTION",)
 KERNEL_SOLUTION = """\
 // Lane 8j + i points at row i of matrix j: a0 = rows 0-7 and a1 = rows 8-15 at columns k0 .. k0 + 7, then a2 and
 // a3 the same rows at columns k0 + 8 .. k0 + 15.
