@@ -258,3 +258,15 @@ def test_the_course_s_own_mutants_are_graded_but_its_answers_handed_in_are_not()
     assert r.score == 0 and "calls flashlab.grading.lab04._mutant_backward " in r.feedback
     r = run_question("lab02", "q2", [tiled.forward], seed=9)
     assert r.score == 0 and "calls flashlab.tiled.forward " in r.feedback
+
+
+def test_the_student_copy_strips_every_labs_answers_not_only_the_graded_ones():
+    """Another lab's answer (its grader's correct helper, or the package function it implements) is a way around
+    this lab's work: lab 10's fold grades lab 01's update, lab 01's online.update computes lab 08's partials."""
+    assert "flashlab.grading.lab10._fold_scores" in answers.sandbox_answers("lab01")
+    assert "flashlab.grading.lab08._merge" in answers.sandbox_answers("lab01")
+    assert "flashlab.online.update" in answers.sandbox_answers("lab08")
+    assert "flashlab.blocksparse._edges" in answers.sandbox_answers("lab02")
+    # what a lab keeps for its own given cells stays, and only for that lab
+    assert "flashlab.reference.attention" not in answers.sandbox_answers("lab05")
+    assert "flashlab.reference.attention" in answers.sandbox_answers("lab01")

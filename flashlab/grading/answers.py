@@ -21,8 +21,8 @@ Two defences use that mapping:
   Out of scope in process: code that copied an answer before the check ran (``inspect.getsource`` + ``exec``, a
   new function built from the saved ``__code__``) — an interactive check cannot stop a student fooling themselves.
 * For sandboxed batch grading, :func:`student_package` writes a copy of the package in which the bodies of the
-  lab's answer functions are replaced by a ``raise AnswerCalled(...)``: there is no answer code left to call or
-  copy. The grader's own judging, outside the sandbox, keeps the real package.
+  answer functions of every lab (another lab's answer is as much a way around this one's work) are replaced by a
+  ``raise AnswerCalled(...)``: there is no answer code left to call or copy. The grader's own judging, outside the sandbox, keeps the real package.
 
 The course's own implementations may reuse package code: the lab module's mutants and helpers, handed in as they
 are (tests do), are graded without the tripwire (:func:`is_course_code`; a listed answer handed in is still caught),
@@ -80,10 +80,15 @@ def answers_of(lab_id: str, question: str | None = None) -> tuple[str, ...]:
 
 
 def sandbox_answers(lab_id: str) -> tuple[str, ...]:
-    """The answers :func:`student_package` removes: all of the lab's, but those its module lists in
-    ``SANDBOX_KEEP`` (an answer of one question that another question's task or its grading needs)."""
+    """The answers :func:`student_package` removes when ``lab_id`` is graded: every lab's (another lab's answer, a
+    correct helper of its grader, is just as much a way around this lab's work), but those the graded lab's module
+    lists in ``SANDBOX_KEEP`` (an answer of one question that another question's task or its grading needs)."""
+    from .core import available_labs
+
     keep = set(getattr(importlib.import_module(f"{PACKAGE}.grading.{lab_id}"), "SANDBOX_KEEP", ()))
-    return tuple(name for name in answers_of(lab_id) if name not in keep)
+    own = answers_of(lab_id)
+    others = [name for other in available_labs() if other != lab_id for name in answers_of(other)]
+    return tuple(name for name in dict.fromkeys([*own, *others]) if name not in keep)
 
 
 def resolve(name: str) -> types.FunctionType | None:

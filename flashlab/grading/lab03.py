@@ -41,7 +41,9 @@ LAB = Lab("lab03", "Counting memory accesses")
 # The course's own answers to each question (flashlab.grading.answers): calling one scores 0. The counter and its
 # closed forms answer every question; iocount.count is fine in the notebook's own comparison cells, not inside a
 # graded function.
-_COUNTERS = ("flashlab.iocount.predict", "flashlab.iocount.count", "flashlab.iocount.run")
+# The counter and the simulators it runs (a learner could drive those directly)
+_COUNTERS = ("flashlab.iocount.predict", "flashlab.iocount.count", "flashlab.iocount.run",
+             *(f"flashlab.iocount.{name}" for name in ("_standard", "_kv_outer", "_q_outer", "_tile_update")))
 # flashlab.blocksparse classifies tiles in its patterns' methods, which ANSWERS cannot list: its constructors are
 # listed, and the two module-level helpers every classification runs (block_mask and mask check the sizes with
 # _check_size; the tile kinds start from _edges), so that a pattern built from its class trips as well.

@@ -61,7 +61,7 @@ ANSWERS: dict[str, tuple[str, ...]] = {}
 # ... but the answer's lines are in this module (the solution, and the statements every mutant is built from): in
 # the sandbox's copy of the package they are poisoned (answers.student_package), so that a KERNEL assembled from
 # them fails to compile with an error that names them.
-SANDBOX_POISON = ("SOLUTION", "_GUARD", "_HEAD")
+SANDBOX_POISON = ("SOLUTION", "_GUARD", "_HEAD", "_CORR", "_P", "_L", "_ACC_UPDATE", "_MX")
 
 HEAD_DIMS = (16, 32, 64)
 THREADS = 128  # threads per block: one query row each
@@ -186,9 +186,15 @@ _HEAD = "const float mnew = fmaxf(mx, s);\n"
 _ACC = "#pragma unroll\nfor (int c = 0; c < D; ++c) "
 
 
-def _update(guard: str = _GUARD, corr: str = "const float corr = expf(mx - mnew);",
-            p: str = "const float p = expf(s - mnew);", l: str = "l = l * corr + p;",
-            acc: str = "acc[c] = acc[c] * corr + p * vj[c];", mx: str = "mx = mnew;") -> str:
+_CORR = "const float corr = expf(mx - mnew);"
+_P = "const float p = expf(s - mnew);"
+_L = "l = l * corr + p;"
+_ACC_UPDATE = "acc[c] = acc[c] * corr + p * vj[c];"
+_MX = "mx = mnew;"
+
+
+def _update(guard: str = _GUARD, corr: str = _CORR, p: str = _P, l: str = _L, acc: str = _ACC_UPDATE,
+            mx: str = _MX) -> str:
     """The solution's loop body (without its comments) with the given statements in place of its own."""
     return guard + _HEAD + "\n".join([corr, p, l, _ACC + acc, mx]).rstrip("\n")
 

@@ -30,10 +30,13 @@ LAB = Lab("lab10", "Ring attention: one device's step and the whole ring")
 # The course's own answers to each question (flashlab.grading.answers): calling one scores 0. q1's answer is the
 # ring's step and chapter 1's update inside it; q2's, the device loop, the ring and any whole attention; q3's, the
 # work count and the layout itself.
+# The grader's own correct pieces of a step (scores with the causal mask, the fold, the final division) answer q1
+# and q2 as much as ring.step does.
+_HELPERS = tuple(f"flashlab.grading.lab10.{name}" for name in ("_scores", "_fold_scores", "_finish"))
 ANSWERS = {
-    "q1": ("flashlab.ring.step", "flashlab.online.update", "flashlab.grading.lab10._step"),
+    "q1": ("flashlab.ring.step", "flashlab.online.update", "flashlab.grading.lab10._step", *_HELPERS),
     "q2": ("flashlab.ring.run_device", "flashlab.ring.attention", "flashlab.reference.attention",
-           "flashlab.tiled.forward", "flashlab.grading.lab10._device"),
+           "flashlab.tiled.forward", "flashlab.grading.lab10._device", *_HELPERS),
     "q3": ("flashlab.ring.work", "flashlab.ring.split", "flashlab.grading.lab10._work"),
 }
 
