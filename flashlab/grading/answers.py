@@ -22,7 +22,8 @@ Two defences use that mapping:
   new function built from the saved ``__code__``) — an interactive check cannot stop a student fooling themselves.
 * For sandboxed batch grading, :func:`student_package` writes a copy of the package in which the bodies of the
   answer functions of every lab (another lab's answer is as much a way around this one's work) are replaced by a
-  ``raise AnswerCalled(...)``: there is no answer code left to call or copy. The grader's own judging, outside the sandbox, keeps the real package.
+  ``raise AnswerCalled(...)``: there is no answer code left to call or copy. The grader's own judging, outside
+  the sandbox, keeps the real package.
 
 The course's own implementations may reuse package code: the lab module's mutants and helpers, handed in as they
 are (tests do), are graded without the tripwire (:func:`is_course_code`; a listed answer handed in is still caught),
