@@ -50,8 +50,8 @@ def as_t4(monkeypatch, tmp_path_factory):
                     nvrtc.compileProgram(prog, ["-arch=compute_75", "--std=c++17", *defines])
                 except nvrtc.NVRTCError as e:
                     raise RuntimeError(nvrtc.getProgramLog(prog)) from e
-                ptx.write_text(nvrtc.getPTX(prog).decode() if isinstance(nvrtc.getPTX(prog), bytes)
-                               else nvrtc.getPTX(prog))
+                code = nvrtc.getPTX(prog)
+                ptx.write_text(code.decode() if isinstance(code, bytes) else code)
         built.append(file)
         return cp.RawModule(path=str(ptx))
 

@@ -313,11 +313,13 @@ def _poison_constants(source: str, names: Sequence[str], module: str, where: str
     lines = source.splitlines(keepends=True)
     found = {}
     for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
-            else []
-        for target in targets:
-            if isinstance(target, ast.Name) and target.id in names:
-                found[target.id] = node
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign):
+            targets = [node.target]
+        else:
+            continue
+        found.update((t.id, node) for t in targets if isinstance(t, ast.Name) and t.id in names)
     missing = set(names) - set(found)
     if missing:
         raise LookupError(f"{where} assigns no module-level constant {', '.join(sorted(missing))}")
