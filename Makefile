@@ -10,7 +10,7 @@ PRESENT_STAMP := $(VENV)/.installed-present-stamp
 
 .PHONY: setup dev lab test test-gpu html slides present release grade lint clean \
         bench-forward bench-backward bench-decode bench-memory bench-train bench-ring bench-sparse bench-cpu \
-        profile sanitize
+        profile profile-occupancy sanitize
 
 setup: $(STAMP)
 
@@ -138,6 +138,15 @@ profile: setup
 	$(call ncu_summary,ncu_paper_final.csv,paper_shape_dram_final)
 	$(call ncu_summary,ncu_ladder_metrics.csv,ladder_metrics)
 	$(call ncu_summary,ncu_r9.csv,instructions_lean_addressing)
+
+# Rung 12 against rung 11 at d = 64: three resident blocks per SM instead of two, and what that does to the time the
+# tensor pipe is busy (chapter 7). Its own target: a minute of profiling rather than the whole of `make profile`.
+OCCUPANCY_SHAPE := --d 64 --n 4096 --batch 4
+profile-occupancy: setup
+	mkdir -p build data/raw/ncu
+	$(PROFILE) provenance --command "make profile-occupancy" > build/ncu_provenance.json
+	$(call ncu_csv,k_lanes three_blocks,$(LADDER),$(OCCUPANCY_SHAPE),ncu_occupancy_r12.csv)
+	$(call ncu_summary,ncu_occupancy_r12.csv,occupancy_k_lanes_three_blocks)
 
 # Every kernel once at ragged shapes under compute-sanitizer; fails on any memory error or race.
 sanitize: setup

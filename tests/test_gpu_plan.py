@@ -41,6 +41,12 @@ def _spills(rung: fgpu.Rung, d: int, lim: fgpu.DeviceLimits) -> bool:
     return fgpu.compiled_arch(lim.cc) in fgpu.SPILLS.get((rung.file, rung.defines, d), ())
 
 
+def _too_few_blocks(rung: fgpu.Rung, d: int, lim: fgpu.DeviceLimits) -> bool:
+    """A rung built for several blocks per SM, on a GPU whose shared memory holds fewer of them."""
+    want = fgpu.BLOCKS_PER_SM.get((rung.file, d))
+    return bool(want) and fgpu.blocks_per_sm_by_shared(rung.shared_bytes(d), lim) < want
+
+
 # ------------------------------------------------------------------------------------------ the planners alone
 @pytest.mark.parametrize("lim", DEVICES, ids=lambda lim: lim.name)
 @pytest.mark.parametrize("dt", ["f32", "f16", "bf16"])
@@ -50,7 +56,7 @@ def test_forward_takes_the_first_rung_of_the_order_that_runs(lim, dt, d, positiv
     p = fgpu._forward_plan(dt, d, positive_scale, "best", lim)
     rung = _rung(p.kernel)
     assert p.spec == rung and dt in rung.dtypes and _fits(lim, rung.min_cc, rung.shared_bytes(d), rung.threads)
-    assert not _spills(rung, d, lim)
+    assert not _spills(rung, d, lim) and not _too_few_blocks(rung, d, lim)
     needs_positive = {fgpu.RUNGS[name].file for name in fgpu.POSITIVE_SCALE_ONLY}
     assert positive_scale or rung.file not in needs_positive
     order = list(dict.fromkeys((fgpu.BEST[(dt, d)], *fgpu.LADDER_ORDER)))
@@ -59,8 +65,8 @@ def test_forward_takes_the_first_rung_of_the_order_that_runs(lim, dt, d, positiv
     for name, why in p.passed_over:
         r = _rung(name)
         assert (dt not in r.dtypes or not _fits(lim, r.min_cc, r.shared_bytes(d), r.threads) or _spills(r, d, lim)
-                or (not positive_scale and r.file in needs_positive)), (name, why)
-        assert ("supports" in why or "scale > 0" in why or "spills registers" in why
+                or (not positive_scale and r.file in needs_positive) or _too_few_blocks(r, d, lim)), (name, why)
+        assert ("supports" in why or "scale > 0" in why or "spills registers" in why or "blocks per SM" in why
                 or any(s in why for s in LIMIT_NAMES)), why
     assert p.kernel in p.reason and str(lim.cc) in str(p)
 
@@ -73,7 +79,9 @@ def test_each_gpu_gets_its_fastest_forward():
         for d in fgpu.HEAD_DIMS:
             fp16 = fgpu._forward_plan("f16", d, True, "best", lim).kernel
             bf16 = fgpu._forward_plan("bf16", d, True, "best", lim).kernel
-            assert (fp16, bf16) == (("turing", "smem_tiles") if lim.cc < 80 else (best[d], best[d])), (lim, d)
+            # rung 12 at d = 64 is built for three blocks per SM; where shared memory holds one, rung 11 runs
+            fastest = "k_lanes" if _too_few_blocks(_rung(best[d]), d, lim) else best[d]
+            assert (fp16, bf16) == (("turing", "smem_tiles") if lim.cc < 80 else (fastest, fastest)), (lim, d)
             assert fgpu._forward_plan("f32", d, True, "best", lim).kernel == "smem_tiles"
     # with scale <= 0 the raw-max rungs step aside; on sm_80 rung 10 (like rung 9) is also passed over for its spills
     a100 = fgpu._forward_plan("f16", 128, False, "best", A100)
@@ -82,6 +90,13 @@ def test_each_gpu_gets_its_fastest_forward():
     assert "scale > 0" in why[best[128]] and "spills registers at d = 128 on sm_80" in why["one_barrier"]
     assert fgpu._forward_plan("f16", 128, True, "addressing", A100).kernel == "addressing"  # asked for: it runs
     assert fgpu.RUNGS["turing"].shared_bytes(128) <= T4.smem_per_block  # the T4's tensor-core rung fits it
+    # 100 KB of shared memory per SM (sm_86 / sm_89) holds one 50 KB block, 164 KB (sm_80) or 228 KB (sm_90) three
+    few = {lim.name for lim in DEVICES if lim.cc >= 80 and _too_few_blocks(_rung(best[64]), 64, lim)}
+    assert few == {lim.name for lim in DEVICES if lim.cc in (86, 89)} and {"A10", "RTX 4090"} <= few
+    assert not any(_too_few_blocks(_rung(best[128]), 128, lim) for lim in DEVICES)
+    why = dict(fgpu._forward_plan("f16", 64, True, "best", A10).passed_over)
+    assert "built for 3 blocks per SM at d = 64" in why[best[64]]
+    assert fgpu._forward_plan("f16", 64, True, best[64], A10).kernel == best[64]  # asked for: it runs
 
 
 def test_a_named_forward_kernel_that_cannot_run_names_the_limit():

@@ -36,6 +36,7 @@ def _jobs() -> list[tuple[str, tuple[str, ...], int]]:
     sparse = {(r.file, r.defines): r for r in fgpu.SPARSE_KERNELS.values()}  # one compilation per file and defines
     forward = [*fgpu.RUNGS.values(), *fgpu.PLANNED_VARIANTS.values(), *sparse.values()]
     jobs = [(r.file, r.defines, a) for r in forward for a in ARCHS if a >= r.min_cc]
+    jobs += [(f, (), a) for f, cc in fgpu.MEASURE_FILES.items() for a in ARCHS if a >= cc]
     return jobs + [(f, (), a) for f in CH8_FILES for a in ARCHS if a >= CH8_MIN_CC[f]]
 
 
@@ -66,9 +67,11 @@ def usage() -> dict[tuple[str, tuple[str, ...], int], dict[str, dict]]:
 
 
 def test_every_kernel_file_is_a_registered_rung():
-    """Every .cu file is a forward rung or a chapter-8 kernel, so every one is compiled below."""
+    """Every .cu file is a forward rung, a chapter-8 kernel, the block-sparse file or a measuring kernel, so every
+    one is compiled below."""
     files = sorted(p.name for p in fgpu.KERNEL_DIR.glob("*.cu"))
-    assert files == sorted([r.file for r in fgpu.RUNGS.values()] + list(CH8_FILES) + [fgpu.SPARSE_FILE])
+    assert files == sorted([r.file for r in fgpu.RUNGS.values()] + list(CH8_FILES) + [fgpu.SPARSE_FILE]
+                           + list(fgpu.MEASURE_FILES))
 
 
 @needs_nvcc

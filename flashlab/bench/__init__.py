@@ -12,12 +12,15 @@ every recorded file and the command that regenerates it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import pathlib
 import sys
 from collections.abc import Callable, Sequence
 
 from .. import records
 from ..cli import dispatch
+
+DTYPES = ("float16", "bfloat16")
 
 KINDS = {
     "forward": ("flashlab.bench.forward", "forward pass: the kernel ladder against naive CuPy and PyTorch SDPA "
@@ -39,6 +42,8 @@ KINDS = {
              "communication, link bandwidth, longest n that fits -> data/ring/NAME.json"),
     "host": ("flashlab.bench.host", "host time per call of attention, attention_backward and decode "
              "-> data/benchmarks/host.json"),
+    "peak": ("flashlab.bench.peak", "the tensor-core ceiling of mma.sync (fp16, bf16) with nothing else in the "
+             "loop -> data/benchmarks/peak.json"),
     "sparse": ("flashlab.bench.sparse", "block-sparse attention (sliding and dilated windows) against its density, "
                "dense causal and FlexAttention -> data/benchmarks/sparse.json"),
 }
@@ -63,6 +68,12 @@ def record_parser(kind: str, description: str, *, name: str, out: pathlib.Path, 
     p.add_argument("--no-write", action="store_true", help="print the table only")
     p.add_argument("--table", metavar="JSON", help="print a recorded file and exit (no GPU)")
     return p
+
+
+def add_dtypes(p: argparse.ArgumentParser) -> None:
+    """--dtypes: the input precisions each shape is timed in (bfloat16 travels as uint16 bit patterns)."""
+    p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["float16"],
+                   help="float16 and/or bfloat16 inputs (default: float16)")
 
 
 def add_protocols(p: argparse.ArgumentParser) -> None:
@@ -134,65 +145,69 @@ def run_grid(args: argparse.Namespace, rows: list[dict], *, pass_name: str, inpu
              impl: Callable[[str, list, bool], tuple[str, Callable[[], object], Callable[[], object]]],
              flop: Callable[[int, int, int, int, bool], float], references: Sequence[str] = (),
              skip: Callable[[str, int], bool] = lambda name, n: False) -> None:
-    """The loop the forward and backward benchmarks share: for each (d, n, causal) of ``args``, ``inputs`` random
-    fp16 arrays of shape (batch, heads, n, d); then every implementation of ``args.impls`` (but those ``skip``
-    names) is checked once and timed under every protocol of ``args.protocols``, one row per protocol.
+    """The loop the forward and backward benchmarks share: for each dtype of ``args.dtypes`` (float16 when the
+    parser has none) and each (d, n, causal) of ``args``, ``inputs`` random arrays of shape (batch, heads, n, d)
+    (bfloat16 as its bit patterns in uint16, as ``flashlab.gpu`` takes it); then every implementation of
+    ``args.impls`` (but those ``skip`` names) is checked once and timed under every protocol of ``args.protocols``,
+    one row per protocol.
 
     ``impl(name, arrays, causal)`` returns (event kind, the timed call, a call that poisons or allocates its
-    outputs, runs once and returns them). Differences are taken against the first of ``references`` that runs,
-    else against the first implementation timed.
+    outputs, runs once and returns them as float32). Differences are taken against the first of ``references``
+    that runs, else against the first implementation timed.
     """
     import cupy as cp
 
+    from .. import gpu as fgpu
+
     rng = cp.random.default_rng(0)
     pool = cp.get_default_memory_pool()
-    for d in args.d:
-        for n in args.n:
-            batch = args.batch if args.batch else max(1, args.tokens // n)
-            for causal in CAUSAL[args.causal]:
-                shape = (batch, args.heads, n, d)
-                arrays = [rng.standard_normal(shape, dtype=cp.float32).astype(cp.float16) for _ in range(inputs)]
-                ref, ref_name = None, None
-                for cand in [r for r in references if r in args.impls]:
-                    try:
-                        ref, ref_name = impl(cand, arrays, causal)[2](), cand
-                        break
-                    except Exception:  # noqa: BLE001 - e.g. naive attention out of memory at large n
-                        pool.free_all_blocks()
-                for name in args.impls:
-                    if skip(name, n):
-                        continue
-                    base = {"impl": name, "pass": pass_name, "dtype": "float16", "d": d, "n": n, "batch": batch,
-                            "heads": args.heads, "causal": causal}
+    for dtype, d, n in itertools.product(getattr(args, "dtypes", ["float16"]), args.d, args.n):
+        batch = args.batch if args.batch else max(1, args.tokens // n)
+        for causal in CAUSAL[args.causal]:
+            shape = (batch, args.heads, n, d)
+            arrays = [rng.standard_normal(shape, dtype=cp.float32) for _ in range(inputs)]
+            arrays = [fgpu.to_bf16(x) if dtype == "bfloat16" else x.astype(cp.float16) for x in arrays]
+            ref, ref_name = None, None
+            for cand in [r for r in references if r in args.impls]:
+                try:
+                    ref, ref_name = impl(cand, arrays, causal)[2](), cand
+                    break
+                except Exception:  # noqa: BLE001 - e.g. naive attention out of memory at large n
                     pool.free_all_blocks()
-                    held = pool.total_bytes()
-                    try:
-                        kind, fn, result = impl(name, arrays, causal)
-                        out = result()
-                        # What CuPy's pool held after one call beyond before it (outputs, temporaries, a float32
-                        # copy made for the check; PyTorch's allocator is not seen): about the call's working memory.
-                        extra = pool.total_bytes() - held
-                        if ref is None:
-                            ref, ref_name, err = out, name, None
-                        else:
-                            err = max_diff(out, ref)
-                        del out
-                        times = {p: records.median_ms(fn, args.repeat, args.warmup, kind=kind, protocol=p)
-                                 for p in args.protocols}
-                    except Exception as e:  # noqa: BLE001 - e.g. out of memory: recorded, the table goes on
-                        rows.append(failed_row(base, e))
-                        pool.free_all_blocks()
-                        continue
-                    pool.free_all_blocks()
-                    f = flop(n, d, batch, args.heads, causal)
-                    for protocol, ms in times.items():
-                        rows.append(timed_row({**base, "protocol": protocol}, ms, f, args.repeat, err, ref_name,
-                                              extra))
-                        print(f"  {name:<12} d={d:<4} n={n:<6} causal={causal!s:<5} {protocol:<10} {ms:9.3f} ms "
-                              f"{rows[-1]['tflops']:8.2f} TFLOP/s  max|diff vs {ref_name}|={err}  "
-                              f"+{extra / 1e6:.0f} MB", flush=True)
-                del arrays, ref
+            for name in args.impls:
+                if skip(name, n):
+                    continue
+                base = {"impl": name, "pass": pass_name, "dtype": dtype, "d": d, "n": n, "batch": batch,
+                        "heads": args.heads, "causal": causal}
                 pool.free_all_blocks()
+                held = pool.total_bytes()
+                try:
+                    kind, fn, result = impl(name, arrays, causal)
+                    out = result()
+                    # What CuPy's pool held after one call beyond before it (outputs, temporaries, a float32
+                    # copy made for the check; PyTorch's allocator is not seen): about the call's working memory.
+                    extra = pool.total_bytes() - held
+                    if ref is None:
+                        ref, ref_name, err = out, name, None
+                    else:
+                        err = max_diff(out, ref)
+                    del out
+                    times = {p: records.median_ms(fn, args.repeat, args.warmup, kind=kind, protocol=p)
+                             for p in args.protocols}
+                except Exception as e:  # noqa: BLE001 - e.g. out of memory: recorded, the table goes on
+                    rows.append(failed_row(base, e))
+                    pool.free_all_blocks()
+                    continue
+                pool.free_all_blocks()
+                f = flop(n, d, batch, args.heads, causal)
+                for protocol, ms in times.items():
+                    rows.append(timed_row({**base, "protocol": protocol}, ms, f, args.repeat, err, ref_name,
+                                          extra))
+                    print(f"  {name:<12} {dtype:<8} d={d:<4} n={n:<6} causal={causal!s:<5} {protocol:<10} "
+                          f"{ms:9.3f} ms {rows[-1]['tflops']:8.2f} TFLOP/s  max|diff vs {ref_name}|={err}  "
+                          f"+{extra / 1e6:.0f} MB", flush=True)
+            del arrays, ref
+            pool.free_all_blocks()
 
 
 def ratio_cells(row: dict, times: dict, refs: Sequence[str] = ("sdpa_flash", "sdpa_cudnn"),

@@ -17,6 +17,7 @@ import sys
 from .. import records
 from ..gpu import backward
 from . import (
+    add_dtypes,
     add_protocols,
     error_line,
     gpu_main,
@@ -45,21 +46,26 @@ def _bwd_impl(name: str, arrays: list, causal: bool):
     import flashlab.gpu as fgpu
 
     q, k, v, do = arrays
+    bf16 = q.dtype == cp.uint16  # bfloat16 bit patterns (run_grid's --dtypes bfloat16)
     if name.removeprefix("ours_") in backward.KERNELS:
-        o, lse = fgpu.attention(q, k, v, causal=causal)
+        o, lse = fgpu.attention(q, k, v, causal=causal, bf16=bf16)
         kernel = name.removeprefix("ours_")
         out = (cp.empty_like(q), cp.empty_like(k), cp.empty_like(v))
         workspace = fgpu.Workspace()
 
         def fn():
-            return fgpu.attention_backward(q, k, v, o, lse, do, causal=causal, kernel=kernel, out=out,
+            return fgpu.attention_backward(q, k, v, o, lse, do, causal=causal, kernel=kernel, bf16=bf16, out=out,
                                            workspace=workspace)
 
         def result():
-            return fgpu.attention_backward(q, k, v, o, lse, do, causal=causal, kernel=kernel)
+            grads = fgpu.attention_backward(q, k, v, o, lse, do, causal=causal, kernel=kernel, bf16=bf16)
+            return tuple(fgpu.from_bf16(g) for g in grads) if bf16 else grads
 
         return "cupy", fn, result
     if name == "cupy_naive":
+        if bf16:
+            raise ValueError("cupy_naive takes float16 or float32 (CuPy has no bfloat16 matrix product)")
+
         def fn():
             return backward.naive_attention_backward(q, k, v, do, causal=causal)
 
@@ -69,8 +75,12 @@ def _bwd_impl(name: str, arrays: list, causal: bool):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         backend = SDPBackend.FLASH_ATTENTION if name == "sdpa_flash" else SDPBackend.CUDNN_ATTENTION
-        tq, tk, tv = (torch.from_dlpack(x).detach().requires_grad_(True) for x in (q, k, v))
-        tdo = torch.from_dlpack(do)
+        def tensor(x):
+            t = torch.from_dlpack(x)
+            return t.view(torch.bfloat16) if bf16 else t
+
+        tq, tk, tv = (tensor(x).detach().requires_grad_(True) for x in (q, k, v))
+        tdo = tensor(do)
         with sdpa_kernel(backend):
             out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal,
                                                                    enable_gqa=tq.shape[1] != tk.shape[1])
@@ -81,7 +91,7 @@ def _bwd_impl(name: str, arrays: list, causal: bool):
         def result():
             grads = fn()
             torch.cuda.synchronize()
-            return tuple(cp.from_dlpack(g.contiguous()) for g in grads)
+            return tuple(cp.from_dlpack(g.float().contiguous()) for g in grads)
 
         return "torch", fn, result
     raise ValueError(f"unknown backward implementation {name!r}")
@@ -95,15 +105,19 @@ def run(args: argparse.Namespace, rows: list[dict]) -> None:
 
 def format_rows(rows: list[dict]) -> str:
     """Plain text, one line per row: protocol, time, TFLOP/s and the speed as a multiple of sdpa_flash's and
-    sdpa_cudnn's at the same (d, n, causal) under the same protocol."""
-    times = median_times(rows)
+    sdpa_cudnn's at the same (dtype, d, n, causal) under the same protocol."""
+
+    def key(r: dict) -> tuple:
+        return (r.get("dtype", "float16"), r["d"], r["n"], r["causal"])
+
+    times = median_times(rows, key=key)
     lines = []
     for r in rows:
         if "error" in r:
             lines.append(error_line(r))
             continue
-        flash, cudnn = ratio_cells(r, times)
-        lines.append(f"{r['impl']:<12} d={r['d']:<4} n={r['n']:<6} causal={r['causal']!s:<5} "
+        flash, cudnn = ratio_cells(r, times, key=key)
+        lines.append(f"{r['impl']:<12} {key(r)[0]:<8} d={r['d']:<4} n={r['n']:<6} causal={r['causal']!s:<5} "
                      f"{records.protocol_of(r):<10} {r['median_ms']:9.3f} ms {r['tflops']:8.2f} TFLOP/s "
                      f"x{flash:>5} sdpa_flash x{cudnn:>5} sdpa_cudnn")
     return "\n".join(lines)
@@ -120,6 +134,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=16384, help="batch x n (batch = tokens // n)")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--batch", type=int, default=None, help="fixed batch size (overrides --tokens)")
+    add_dtypes(p)
     add_protocols(p)
     return p
 

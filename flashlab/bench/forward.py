@@ -17,7 +17,7 @@ import sys
 import numpy as np
 
 from .. import records
-from . import add_protocols, gpu_main, record_parser, run_grid, without_torch
+from . import add_dtypes, add_protocols, gpu_main, record_parser, run_grid, without_torch
 
 REFERENCES = ("cupy_naive", "sdpa_flash", "sdpa_cudnn")
 OUT_DIR = records.DATA_DIR / "benchmarks"
@@ -44,6 +44,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None, help="fixed batch size (overrides --tokens): memory sweeps")
     p.add_argument("--slow-max-n", type=int, default=4096,
                    help=f"time the slow rungs {SLOW_RUNGS} only up to this n (they take seconds per call)")
+    add_dtypes(p)
     add_protocols(p)
     return p
 
@@ -55,21 +56,25 @@ def _impl(name: str, arrays: list, causal: bool):
     import flashlab.gpu as fgpu
 
     q, k, v = arrays
+    bf16 = q.dtype == cp.uint16  # bfloat16 bit patterns (run_grid's --dtypes bfloat16)
     if name in fgpu.RUNGS:
         o = cp.empty_like(q)
         lse = cp.empty(q.shape[:-1], cp.float32)
 
         def fn():
-            fgpu.attention(q, k, v, causal=causal, kernel=name, out=(o, lse))
+            fgpu.attention(q, k, v, causal=causal, kernel=name, bf16=bf16, out=(o, lse))
 
         def result():
-            o.fill(np.nan)
+            o.fill(0x7FC0 if bf16 else np.nan)  # NaN in either format: a row the kernel skips shows
             lse.fill(np.nan)
             fn()
-            return o.astype(cp.float32)
+            return fgpu.from_bf16(o) if bf16 else o.astype(cp.float32)
 
         return "cupy", fn, result
     if name == "cupy_naive":
+        if bf16:
+            raise ValueError("cupy_naive takes float16 or float32 (CuPy has no bfloat16 matrix product)")
+
         def fn():
             return fgpu.naive_attention(q, k, v, causal=causal)
 
@@ -79,7 +84,7 @@ def _impl(name: str, arrays: list, causal: bool):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         backend = SDPBackend.FLASH_ATTENTION if name == "sdpa_flash" else SDPBackend.CUDNN_ATTENTION
-        tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+        tq, tk, tv = (torch.from_dlpack(x).view(torch.bfloat16) if bf16 else torch.from_dlpack(x) for x in (q, k, v))
 
         def fn():
             with sdpa_kernel(backend):
@@ -88,7 +93,7 @@ def _impl(name: str, arrays: list, causal: bool):
         def result():
             out = fn()
             torch.cuda.synchronize()
-            return cp.from_dlpack(out.contiguous()).astype(cp.float32)
+            return cp.from_dlpack(out.float().contiguous())
 
         return "torch", fn, result
     raise ValueError(f"unknown implementation {name!r}")
@@ -121,41 +126,46 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def dtype_of(row: dict) -> str:
+    """A row's input precision (rows recorded before bfloat16 was timed carry "float16")."""
+    return row.get("dtype", "float16")
+
+
 def _percents(rows: list[dict]) -> dict:
-    """(impl, protocol, d, n, causal) -> TFLOP/s of every timed row."""
-    return {(r["impl"], records.protocol_of(r), r["d"], r["n"], r["causal"]): r["tflops"] for r in rows}
+    """(impl, protocol, dtype, d, n, causal) -> TFLOP/s of every timed row."""
+    return {(r["impl"], records.protocol_of(r), dtype_of(r), r["d"], r["n"], r["causal"]): r["tflops"] for r in rows}
 
 
 def _pct(rows_t: dict, r: dict, ref: str, fmt: str = "{:.1f}") -> str | None:
-    """``r``'s TFLOP/s in percent of ``ref``'s at the same shape under the same protocol, or None."""
-    t = rows_t.get((ref, records.protocol_of(r), r["d"], r["n"], r["causal"]))
+    """``r``'s TFLOP/s in percent of ``ref``'s at the same shape and dtype under the same protocol, or None."""
+    t = rows_t.get((ref, records.protocol_of(r), dtype_of(r), r["d"], r["n"], r["causal"]))
     return fmt.format(100 * r["tflops"] / t) if t else None
 
 
 def format_table(rows: list[dict]) -> str:
     """Plain-text table: one line per row, with its protocol and % of sdpa_flash and sdpa_cudnn for the same
-    (d, n, causal) under the same protocol."""
+    (dtype, d, n, causal) under the same protocol."""
     rows = [r for r in rows if "error" not in r]
     refs = _percents(rows)
-    lines = [f"{'impl':<12} {'d':>4} {'n':>6} {'causal':>6} {'protocol':>10} {'ms':>9} {'TFLOP/s':>8} {'%flash':>7} "
-             f"{'%cudnn':>7}"]
+    lines = [f"{'impl':<12} {'dtype':>8} {'d':>4} {'n':>6} {'causal':>6} {'protocol':>10} {'ms':>9} {'TFLOP/s':>8} "
+             f"{'%flash':>7} {'%cudnn':>7}"]
     for r in rows:
         pct = [f"{p:>6}%" if (p := _pct(refs, r, ref)) else f"{'-':>7}" for ref in ("sdpa_flash", "sdpa_cudnn")]
-        lines.append(f"{r['impl']:<12} {r['d']:>4} {r['n']:>6} {r['causal']!s:>6} {records.protocol_of(r):>10} "
-                     f"{r['median_ms']:>9.3f} {r['tflops']:>8.2f} {pct[0]} {pct[1]}")
+        lines.append(f"{r['impl']:<12} {dtype_of(r):>8} {r['d']:>4} {r['n']:>6} {r['causal']!s:>6} "
+                     f"{records.protocol_of(r):>10} {r['median_ms']:>9.3f} {r['tflops']:>8.2f} {pct[0]} {pct[1]}")
     return "\n".join(lines)
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """Markdown table of recorded rows: TFLOP/s and % of sdpa_flash / sdpa_cudnn for each (d, n, causal), the
-    references timed under the row's own protocol."""
+    """Markdown table of recorded rows: TFLOP/s and % of sdpa_flash / sdpa_cudnn for each (dtype, d, n, causal),
+    the references timed under the row's own protocol."""
     rows = [r for r in rows if "error" not in r]
     refs = _percents(rows)
-    out = ["| impl | d | n | causal | protocol | ms | TFLOP/s | % sdpa_flash | % sdpa_cudnn |",
-           "|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["d"], r["n"], r["causal"], records.protocol_of(r))):
+    out = ["| impl | dtype | d | n | causal | protocol | ms | TFLOP/s | % sdpa_flash | % sdpa_cudnn |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (dtype_of(r), r["d"], r["n"], r["causal"], records.protocol_of(r))):
         pct = [_pct(refs, r, ref) or "-" for ref in ("sdpa_flash", "sdpa_cudnn")]
-        out.append(f"| {r['impl']} | {r['d']} | {r['n']} | {r['causal']} | {records.protocol_of(r)} "
+        out.append(f"| {r['impl']} | {dtype_of(r)} | {r['d']} | {r['n']} | {r['causal']} | {records.protocol_of(r)} "
                    f"| {r['median_ms']:.3f} | {r['tflops']:.1f} | {pct[0]} | {pct[1]} |")
     return "\n".join(out)
 
@@ -167,30 +177,32 @@ LADDER_COLUMNS = [(128, 4096, False), (128, 16384, False), (128, 4096, True), (1
 RUNG_PROBE = "benchmarks/r10_probe"
 
 
-def columns_of(rows: list[dict]) -> list[tuple[int, int, bool]]:
-    """The (d, n, causal) of a record's timed rows, in the ladder's order: d = 128 first, then mask, then n."""
-    cols = {(r["d"], r["n"], r["causal"]) for r in rows if "error" not in r}
+def columns_of(rows: list[dict], dtype: str = "float16") -> list[tuple[int, int, bool]]:
+    """The (d, n, causal) of a record's timed rows of ``dtype``, in the ladder's order: d = 128 first, then mask,
+    then n."""
+    cols = {(r["d"], r["n"], r["causal"]) for r in rows if "error" not in r and dtype_of(r) == dtype}
     return sorted(cols, key=lambda c: (-c[0], c[2], c[1]))
 
 
 def speedups(rows: list[dict], impl: str, ref: str, *, protocol: str | None = None, d: int | None = None,
-             causal: bool | None = None) -> list[float]:
+             causal: bool | None = None, dtype: str = "float16") -> list[float]:
     """time(ref) / time(impl) at every (d, n, causal) where both were timed under the same protocol, in the order of
-    ``columns_of`` (above 1: ``impl`` is the faster); ``protocol``, ``d``, ``causal``: only those rows (None: all)."""
+    ``columns_of`` (above 1: ``impl`` is the faster); ``protocol``, ``d``, ``causal``: only those rows (None: all);
+    ``dtype``: the rows of that input precision."""
     ms = {(r["impl"], records.protocol_of(r), r["d"], r["n"], r["causal"]): r["median_ms"]
-          for r in rows if "error" not in r}
-    return [ms[(ref, p, *c)] / ms[(impl, p, *c)] for c in columns_of(rows) for p in records.PROTOCOLS
+          for r in rows if "error" not in r and dtype_of(r) == dtype}
+    return [ms[(ref, p, *c)] / ms[(impl, p, *c)] for c in columns_of(rows, dtype) for p in records.PROTOCOLS
             if (impl, p, *c) in ms and (ref, p, *c) in ms and protocol in (None, p) and d in (None, c[0])
             and causal in (None, c[2])]
 
 
 def ladder_markdown(rows: list[dict], impls: list[str] | None = None,
-                    columns: list[tuple[int, int, bool]] | None = None) -> str:
+                    columns: list[tuple[int, int, bool]] | None = None, dtype: str = "float16") -> str:
     """One line per implementation and protocol, one column per (d, n, causal) of ``columns`` (default
     ``LADDER_COLUMNS``): TFLOP/s (% of sdpa_flash in the same run under the same protocol; with both references
-    timed, also % of sdpa_cudnn)."""
-    rows = [r for r in rows if "error" not in r]
-    t = _percents(rows)
+    timed, also % of sdpa_cudnn). ``dtype``: the rows of that input precision."""
+    rows = [r for r in rows if "error" not in r and dtype_of(r) == dtype]
+    t = {(im, p, d, n, c): v for (im, p, _, d, n, c), v in _percents(rows).items()}
     if impls is None:
         impls = list(dict.fromkeys(r["impl"] for r in rows))
     protocols = [p for p in records.PROTOCOLS if any(records.protocol_of(r) == p for r in rows)]

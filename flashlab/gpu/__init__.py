@@ -106,29 +106,50 @@ RUNGS: dict[str, Rung] = {
              "one barrier per key tile: the next tile's copy is issued after the barrier that opens this one"),
         Rung("k_lanes", "r11_k_lanes.cu", 128, 128, ("f16", "bf16"), 80, (128 + 4 * 64) * 2,
              "K loaded by ldmatrix in mma B order: each mma's two K registers adjacent, no register moves"),
+        Rung("three_blocks", "r12_three_blocks.cu", 128, 128, ("f16", "bf16"), 80,
+             ((128 + 4 * 64) * 2 + 2 * 2 * 128 * 4 // 64, (128 + 4 * 64) * 2),
+             "three blocks per SM at d = 64: P packed as soon as it is computed, the row sums in shared memory"),
         # A side step of the ladder for Turing (sm_75, the T4): rung 4's tensor-core forward on what sm_75 has.
         Rung("turing", "r3t_mma_m16n8k8.cu", 64, 128, ("f16",), 75, (2 * 64 * 2, 2 * 32 * 2),
              "Turing: two mma.sync m16n8k8 per k16 step, ldmatrix, K/V prefetched through registers, 16 KB shared"),
     )
 }
-# The fastest rung per (dtype, d): rung 11 at both d. In data/benchmarks/r10_probe.json (H200, 2026-12-01, fp16,
-# both protocols, one run) it is faster than rung 9 at every shape and than rung 10 at every shape but one, where
-# the two are within 0.2%; rung 9 was the fastest of data/benchmarks/ladder.json, recorded before rungs 10 and 11.
-# bf16 takes the fp16 choice (the same loop; no bf16 rows are timed). fp32 has no tensor-core rung.
+# The fastest rung per (dtype, d): rung 12 at both d (data/benchmarks/r12_probe.json: rungs 11 and 12 and SDPA in
+# one run, fp16 and bf16, both protocols). Rung 11 was the fastest of data/benchmarks/r10_probe.json, rung 9 of the
+# ladder before rungs 10-12 existed. fp32 has no tensor-core rung.
 BEST = {("f32", 64): "smem_tiles", ("f32", 128): "smem_tiles",
-        ("f16", 64): "k_lanes", ("f16", 128): "k_lanes", ("bf16", 64): "k_lanes", ("bf16", 128): "k_lanes"}
+        ("f16", 64): "three_blocks", ("f16", 128): "three_blocks", ("bf16", 64): "three_blocks",
+        ("bf16", 128): "three_blocks"}
+# (file, d) -> the blocks per SM a rung is built for at d: "best" passes it over where the GPU's shared memory per SM
+# holds fewer of its blocks (a choice of speed, not of correctness: named, it runs). Rung 12 at d = 64 needs 50 KB
+# a block: three fit on sm_80 (164 KB per SM) and sm_90 (228 KB), one on sm_86/89 (100 KB), where rung 11's 48 KB
+# blocks fit twice.
+BLOCKS_PER_SM = {("r12_three_blocks.cu", 64): 3}
+# Shared memory per SM that a block cannot have: the per-block opt-in limit is the SM's memory less this much, and
+# every resident block costs it again (CUDA C++ Programming Guide, "Shared Memory" of each compute capability).
+RESERVED_SMEM_PER_BLOCK = 1024
+
+
+def blocks_per_sm_by_shared(shared_bytes: int, lim: DeviceLimits) -> int:
+    """How many blocks of ``shared_bytes`` dynamic shared memory fit an SM of ``lim`` at once (shared memory alone)."""
+    per_sm = lim.smem_per_block + RESERVED_SMEM_PER_BLOCK
+    return per_sm // (shared_bytes + RESERVED_SMEM_PER_BLOCK)
 # Rungs beside the ladder rather than on it: written for GPUs older than the one the ladder was recorded on, so
 # data/benchmarks/ladder.json (an H200) has no row for them.
 SIDE_STEPS = ("turing",)
 # rung -> the rung "best" falls back to when scale <= 0 (these keep the max of unscaled scores)
-POSITIVE_SCALE_ONLY = {"lean": "warp32", "addressing": "warp32", "one_barrier": "warp32", "k_lanes": "warp32"}
-# What "best" tries after BEST's rung, fastest first: rungs 11, 10 and 9 in the order of r10_probe.json, then the
-# ladder's order in ladder.json. "addressing_c32" (below) stands in for rung 9 where rung 9 spills; rung 11 spills
+POSITIVE_SCALE_ONLY = {"lean": "warp32", "addressing": "warp32", "one_barrier": "warp32", "k_lanes": "warp32",
+                       "three_blocks": "warp32"}
+# What "best" tries after BEST's rung, fastest first: rung 12 (r12_probe.json), rungs 11, 10 and 9 in the order of
+# r10_probe.json, then the ladder's order in ladder.json. "addressing_c32" (below) stands in for rung 9 where rung 9 spills; rung 11 spills
 # nowhere and fits wherever rung 9 does, so on the GPUs of KNOWN_DEVICES "best" stops at rung 11 whenever scale > 0,
 # and with scale <= 0 passes rungs 8-11 (and the variant, rung 9's file) for rung 7. "turing", not timed there,
 # comes after every sm_80 rung (it is chosen where they cannot run: sm_75); then the scalar rungs.
-LADDER_ORDER = ("k_lanes", "one_barrier", "addressing", "addressing_c32", "lean", "warp32", "exp2_tiles", "cp_async",
+LADDER_ORDER = ("three_blocks", "k_lanes", "one_barrier", "addressing", "addressing_c32", "lean", "warp32", "exp2_tiles", "cp_async",
                 "ldmatrix", "mma", "turing", "smem_tiles", "scalar")
+# Kernels that measure the GPU rather than compute attention (file -> lowest compute capability): the tensor-core
+# ceiling of mma.sync that chapter 7 sets the rungs against (python -m flashlab bench peak).
+MEASURE_FILES = {"peak_mma.cu": 80}
 # The architectures the kernels are compiled for in the tests (tests/test_kernels_compile.py), each kernel for those
 # of them at or above its min_cc: T4, A100, A10 / RTX 30x0, RTX 40x0, H100 / H200.
 COMPILED_ARCHS = (75, 80, 86, 89, 90)
@@ -532,6 +553,10 @@ def forward_problem(rung: Rung, dt: str, d: int, positive_scale: bool, lim: Devi
                    f"{MAX_REGISTERS_PER_THREAD} registers a thread may hold; flashlab.gpu.SPILLS)")
     if problem is None and not positive_scale and rung.file in {RUNGS[n].file for n in POSITIVE_SCALE_ONLY}:
         return "needs scale > 0 (it keeps the max of unscaled scores)"
+    want = BLOCKS_PER_SM.get((rung.file, d))
+    if problem is None and avoid_spills and want and (fit := blocks_per_sm_by_shared(rung.shared_bytes(d), lim)) < want:
+        problem = (f"is built for {want} blocks per SM at d = {d}; this GPU's shared memory per SM holds {fit} of its "
+                   f"{rung.shared_bytes(d):,} B blocks (flashlab.gpu.BLOCKS_PER_SM)")
     return problem
 
 
