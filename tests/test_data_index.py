@@ -188,6 +188,12 @@ def test_recorded_commands_still_parse(name):
             kind, argv = ("forward", argv) if argv[0].startswith("-") else (argv[0], argv[1:])
             parse(kind, argv)
             parsed += 1
+    for target in (m[1] for c in commands if (m := re.fullmatch(r"make ([\w-]+)", c))):
+        # a record made by a make target (its own provenance says which): that target, as make -n prints it today,
+        # must be the one the index lists and write the file
+        assert f"`make {target}`" in index()[name][1], (name, target)
+        assert name in make_writes(target), (name, target)
+        parsed += 1
     assert parsed or index()[name][1].startswith("not generated"), f"{name}: no benchmark command in its provenance"
 
 

@@ -12,6 +12,7 @@ data/benchmarks/NAME.json.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import numpy as np
@@ -175,6 +176,32 @@ LADDER_COLUMNS = [(128, 4096, False), (128, 16384, False), (128, 4096, True), (1
 # The run that timed rungs 10 and 11 beside rung 9 and both SDPA backends under both protocols, at n = 1024, 4096
 # and 16384 (data/benchmarks/ladder.json was recorded before rungs 10 and 11 existed).
 RUNG_PROBE = "benchmarks/r10_probe"
+# The run that timed rung 12 beside rung 11 and both SDPA backends, fp16 and bf16, both protocols: where "best" was
+# chosen (flashlab.gpu.BEST, by ``fastest_rung``).
+BEST_PROBE = "benchmarks/r12_probe"
+# A later rung replaces an earlier one only if it is faster by more than this (geometric mean over a run's rows):
+# two rungs of one run closer than that swap places from run to run.
+TIE = 0.01
+
+
+def fastest_rung(rows: list[dict], d: int, order: list[str]) -> str:
+    """The rung of ``order`` (earliest first) with the lowest geometric-mean time over the rows at head size ``d``
+    that every rung of ``order`` has (every dtype, n, mask and protocol); a later rung must beat the choice so far
+    by more than ``TIE``."""
+    ms = {(r["impl"], dtype_of(r), records.protocol_of(r), r["n"], r["causal"]): r["median_ms"]
+          for r in rows if "error" not in r and r["d"] == d}
+    keys = set.intersection(*({k[1:] for k in ms if k[0] == name} for name in order))
+    if not keys:
+        raise ValueError(f"no row at d = {d} has every rung of {order}")
+
+    def geomean(name: str) -> float:
+        return math.exp(sum(math.log(ms[(name, *k)]) for k in keys) / len(keys))
+
+    best = order[0]
+    for name in order[1:]:
+        if geomean(name) < (1 - TIE) * geomean(best):
+            best = name
+    return best
 
 
 def columns_of(rows: list[dict], dtype: str = "float16") -> list[tuple[int, int, bool]]:

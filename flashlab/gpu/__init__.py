@@ -114,12 +114,13 @@ RUNGS: dict[str, Rung] = {
              "Turing: two mma.sync m16n8k8 per k16 step, ldmatrix, K/V prefetched through registers, 16 KB shared"),
     )
 }
-# The fastest rung per (dtype, d): rung 12 at both d (data/benchmarks/r12_probe.json: rungs 11 and 12 and SDPA in
-# one run, fp16 and bf16, both protocols). Rung 11 was the fastest of data/benchmarks/r10_probe.json, rung 9 of the
-# ladder before rungs 10-12 existed. fp32 has no tensor-core rung.
+# The fastest rung per (dtype, d), by flashlab.bench.forward.fastest_rung over data/benchmarks/r12_probe.json (rungs 11
+# and 12 and SDPA in one run, fp16 and bf16, both protocols): rung 12 at d = 64 (about 10 % faster), rung 11 at
+# d = 128, where the two are within 1 % (there rung 12 differs from rung 11 only in packing P early). Rung 11 was
+# the fastest of data/benchmarks/r10_probe.json, rung 9 of the ladder before rungs 10-12 existed. fp32 has no
+# tensor-core rung.
 BEST = {("f32", 64): "smem_tiles", ("f32", 128): "smem_tiles",
-        ("f16", 64): "three_blocks", ("f16", 128): "three_blocks", ("bf16", 64): "three_blocks",
-        ("bf16", 128): "three_blocks"}
+        ("f16", 64): "three_blocks", ("f16", 128): "k_lanes", ("bf16", 64): "three_blocks", ("bf16", 128): "k_lanes"}
 # (file, d) -> the blocks per SM a rung is built for at d: "best" passes it over where the GPU's shared memory per SM
 # holds fewer of its blocks (a choice of speed, not of correctness: named, it runs). Rung 12 at d = 64 needs 50 KB
 # a block: three fit on sm_80 (164 KB per SM) and sm_90 (228 KB), one on sm_86/89 (100 KB), where rung 11's 48 KB
@@ -140,13 +141,14 @@ SIDE_STEPS = ("turing",)
 # rung -> the rung "best" falls back to when scale <= 0 (these keep the max of unscaled scores)
 POSITIVE_SCALE_ONLY = {"lean": "warp32", "addressing": "warp32", "one_barrier": "warp32", "k_lanes": "warp32",
                        "three_blocks": "warp32"}
-# What "best" tries after BEST's rung, fastest first: rung 12 (r12_probe.json), rungs 11, 10 and 9 in the order of
-# r10_probe.json, then the ladder's order in ladder.json. "addressing_c32" (below) stands in for rung 9 where rung 9 spills; rung 11 spills
-# nowhere and fits wherever rung 9 does, so on the GPUs of KNOWN_DEVICES "best" stops at rung 11 whenever scale > 0,
-# and with scale <= 0 passes rungs 8-11 (and the variant, rung 9's file) for rung 7. "turing", not timed there,
-# comes after every sm_80 rung (it is chosen where they cannot run: sm_75); then the scalar rungs.
-LADDER_ORDER = ("three_blocks", "k_lanes", "one_barrier", "addressing", "addressing_c32", "lean", "warp32", "exp2_tiles", "cp_async",
-                "ldmatrix", "mma", "turing", "smem_tiles", "scalar")
+# What "best" tries after BEST's rung, fastest first: rungs 12 and 11 (r12_probe.json), 10 and 9 in the order of
+# r10_probe.json, then the ladder's order in ladder.json. "addressing_c32" (below) stands in for rung 9 where rung 9
+# spills; rung 11 spills nowhere and fits wherever rung 9 does, so on the GPUs of KNOWN_DEVICES "best" stops at rung
+# 11 or 12 whenever scale > 0, and with scale <= 0 passes rungs 8-12 (and the variant, rung 9's file) for rung 7.
+# "turing", not timed there, comes after every sm_80 rung (it is chosen where they cannot run: sm_75); then the
+# scalar rungs.
+LADDER_ORDER = ("three_blocks", "k_lanes", "one_barrier", "addressing", "addressing_c32", "lean", "warp32",
+                "exp2_tiles", "cp_async", "ldmatrix", "mma", "turing", "smem_tiles", "scalar")
 # Kernels that measure the GPU rather than compute attention (file -> lowest compute capability): the tensor-core
 # ceiling of mma.sync that chapter 7 sets the rungs against (python -m flashlab bench peak).
 MEASURE_FILES = {"peak_mma.cu": 80}

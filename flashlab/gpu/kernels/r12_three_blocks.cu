@@ -1,16 +1,21 @@
-// Rung 12 -- three blocks per SM at d = 64: the row sums move to shared memory to free the registers.
+// Rung 12 -- three blocks per SM at d = 64: one goal, reached in two parts that free registers.
 //
-// Change from rung 11, found with the occupancy arithmetic: at d = 64 a thread of rung 11 holds 210 registers
-// (nvcc 13, sm_90), so an SM (65,536 registers) runs two blocks of 128 threads, 8 warps. While a warp works
-// through the softmax of its tile (exponentials, maxima, shuffles) its tensor cores idle unless another warp has
-// an mma ready, and at d = 64 the softmax costs as much as half the tile's mma time: more warps per SM hide more
-// of it. Three blocks need <= 170 registers a thread (168: registers are given out in eights).
-// __launch_bounds__(128, 3) at d = 64 asks ptxas for 168; it finds them by keeping four values in local memory,
-// the four row sums l of the thread's rows, loaded and stored once per tile (its -v report: 48 bytes of spill
-// stores). Here they live in shared memory on purpose, in a layout without bank conflicts (element
-// [mt][e][thread]: consecutive threads, consecutive words), 2 KB per block: the same loads and stores, but now
-// visible in the source, not a spill, and the block's shared memory (50 KB) still lets three blocks share an
-// SM. At d = 128 nothing changes: the kernel is rung 11's (a block there already needs 96 KB of shared memory).
+// The goal, from the occupancy arithmetic: at d = 64 a thread of rung 11 holds 210 registers (nvcc 13, sm_90), so
+// an SM (65,536 registers) runs two blocks of 128 threads, 8 warps. While a warp works through the softmax of its
+// tile (exponentials, maxima, shuffles) its tensor cores idle unless another warp has an mma ready, and at d = 64
+// the softmax costs as much as half the tile's mma time: more warps per SM hide more of it. Three blocks need
+// <= 170 registers a thread (168: registers are given out in eights), asked of ptxas by
+// __launch_bounds__(128, 3). Given rung 11's loop it finds them by spilling 48 bytes to local memory.
+// The two parts, each ablated with nvcc 13 (ptxas -v at 168 registers, d = 64):
+//   1. P packed to 16 bits as soon as it is computed (rung 11 packed it just before P V): the tile's 32-bit
+//      exponentials die at once. Alone: no spill on sm_80 and sm_86, 12 bytes on sm_90.
+//   2. The four row sums l of the thread's rows in shared memory, read and written once per tile, in a layout
+//      where a warp touches 32 consecutive words, one per bank (element [mt][e][thread]),
+//      2 KB per block. Alone (P packed late): 4 bytes of spill on sm_80 and sm_86, 16 on sm_90.
+//   Both: no spill on any architecture at 168 registers, and the block's 50 KB of shared memory still lets three
+//   blocks share an SM of sm_80 or sm_90 (one on sm_86 / sm_89, where "best" keeps rung 11).
+// At d = 128 only part 1 applies (the row sums stay in registers; a block needs 96 KB of shared memory and 255
+// registers a thread, one block per SM, as rung 11).
 // Everything else is rung 11's.
 //
 // Inputs fp16 or bf16 (raw 16-bit patterns). Layout: q (B, H, n, D), k and v (B, Hk, m, D), o like q,
