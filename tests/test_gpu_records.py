@@ -115,7 +115,8 @@ def test_peak_record_recomputes_and_bounds_every_rung():
     data = records.read_record("benchmarks/peak")
     assert PROVENANCE_KEYS <= set(data["provenance"])
     rows = data["rows"]
-    assert {r["dtype"] for r in rows} == {"float16", "bfloat16"} and {r["protocol"] for r in rows} == {*records.PROTOCOLS}
+    assert {r["dtype"] for r in rows} == {"float16", "bfloat16"}
+    assert {r["protocol"] for r in rows} == {*records.PROTOCOLS}
     for r in rows:
         flop = r["sms"] * r["warps_per_sm"] * r["iters"] * peak.ACC * peak.FLOP_PER_MMA
         assert r["tflops"] == pytest.approx(flop / (r["median_ms"] * 1e-3) / 1e12, rel=1e-3), r

@@ -77,6 +77,17 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def markdown_table(rows: list[dict]) -> str:
+    """Markdown: TFLOP/s per (dtype, warps per SM) under each protocol, as docs/kernels.md shows the record."""
+    tf = {(r["dtype"], r["warps_per_sm"], r["protocol"]): r["tflops"] for r in rows}
+    protocols = [p for p in records.PROTOCOLS if any(k[2] == p for k in tf)]
+    out = ["| dtype | warps per SM | " + " | ".join(f"TFLOP/s ({p})" for p in protocols) + " |",
+           "|---|---|" + "---|" * len(protocols)]
+    for dt, warps in dict.fromkeys(k[:2] for k in tf):
+        out.append(f"| {dt} | {warps} | " + " | ".join(f"{tf[(dt, warps, p)]:.1f}" for p in protocols) + " |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table; write data/benchmarks/NAME.json unless --no-write."""
     return gpu_main("peak", sys.argv[1:] if argv is None else list(argv), parser(), run, format_rows)

@@ -1,9 +1,9 @@
 // Rung 12 -- three blocks per SM at d = 64: one goal, reached in two parts that free registers.
 //
-// The goal, from the occupancy arithmetic: at d = 64 a thread of rung 11 holds 210 registers (nvcc 13, sm_90), so
+// The goal, from the occupancy arithmetic: at d = 64 a thread of rung 11 holds 174 registers (nvcc 13, sm_90), so
 // an SM (65,536 registers) runs two blocks of 128 threads, 8 warps. While a warp works through the softmax of its
 // tile (exponentials, maxima, shuffles) its tensor cores idle unless another warp has an mma ready, and at d = 64
-// the softmax costs as much as half the tile's mma time: more warps per SM hide more of it. Three blocks need
+// the softmax is a large share of a tile's time beside its mma: more warps per SM hide more of it. Three blocks need
 // <= 170 registers a thread (168: registers are given out in eights), asked of ptxas by
 // __launch_bounds__(128, 3). Given rung 11's loop it finds them by spilling 48 bytes to local memory.
 // The two parts, each ablated with nvcc 13 (ptxas -v at 168 registers, d = 64):
@@ -15,7 +15,7 @@
 //   Both: no spill on any architecture at 168 registers, and the block's 50 KB of shared memory still lets three
 //   blocks share an SM of sm_80 or sm_90 (one on sm_86 / sm_89, where "best" keeps rung 11).
 // At d = 128 only part 1 applies (the row sums stay in registers; a block needs 96 KB of shared memory and 255
-// registers a thread, one block per SM, as rung 11).
+// registers a thread, two blocks per SM, as rung 11).
 // Everything else is rung 11's.
 //
 // Inputs fp16 or bf16 (raw 16-bit patterns). Layout: q (B, H, n, D), k and v (B, Hk, m, D), o like q,
