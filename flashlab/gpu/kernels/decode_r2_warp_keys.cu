@@ -201,11 +201,25 @@ __device__ void decode_keys(const u16* __restrict__ q, const u16* __restrict__ k
                                        int causal) {                                                              \
         decode_keys<TY, D, R, U>(q, k, v, lens, opart, lpart, n, m, H, Hk, split_len, scale, causal);            \
     }
+// Loads in flight (U) and blocks per SM (MINB) of the R = 4 and R = 8 kernels (the GQA groups) are defines, so that
+// a sweep can build other pairs beside the defaults (flashlab.gpu.kernel_function(..., defines=...)).
+#ifndef U_R4
+#define U_R4 8
+#endif
+#ifndef MINB_R4
+#define MINB_R4 2
+#endif
+#ifndef U_R8
+#define U_R8 4
+#endif
+#ifndef MINB_R8
+#define MINB_R8 2
+#endif
 #define DEFINE_ROWS(DT, TY, D) \
     DEFINE_KERNEL(DT, TY, D, 1, 8, 5) \
     DEFINE_KERNEL(DT, TY, D, 2, 8, 4) \
-    DEFINE_KERNEL(DT, TY, D, 4, 8, 2) \
-    DEFINE_KERNEL(DT, TY, D, 8, 4, 2)
+    DEFINE_KERNEL(DT, TY, D, 4, U_R4, MINB_R4) \
+    DEFINE_KERNEL(DT, TY, D, 8, U_R8, MINB_R8)
 
 DEFINE_ROWS(f16, F16, 64)
 DEFINE_ROWS(f16, F16, 128)
