@@ -72,22 +72,27 @@ def test_split_ranges_cover_the_keys_in_whole_tiles(rng):
         assert step < decoding.BLOCK_KEYS + -(-m // s)  # never more than one tile past an even share
 
 
-def test_default_num_splits_fills_the_gpu_without_tiny_splits():
-    assert decoding.default_num_splits(1, 32, 1, 65536, 132) == 17  # ceil(4 * 132 / 32) blocks per head
+def test_default_num_splits_fills_the_gpu_with_one_wave_without_tiny_splits():
+    assert decoding.default_num_splits(1, 32, 1, 65536, 132) == 16  # 4 * 132 // 32 blocks per head: one wave
+    assert decoding.default_num_splits(1, 32, 1, 65536, 132, blocks_per_sm=5) == 20
+    assert 32 * decoding.default_num_splits(1, 32, 1, 65536, 132, blocks_per_sm=5) <= 5 * 132  # no second wave
     assert decoding.default_num_splits(64, 32, 1, 65536, 132) == 1  # batch already fills the GPU
     assert decoding.default_num_splits(1, 1, 1, 300, 132) == 2  # ceil(300 / 256): no split under 256 keys
     assert decoding.default_num_splits(1, 1, 1, 1, 132) == 1
-    assert decoding.default_num_splits(1, 32, 1, 65536, 132, blocks_per_sm=8) == 33
 
 
 def test_keys_kernel_takes_the_smallest_row_count_that_fits():
     assert [decoding.block_rows("keys", r) for r in (1, 2, 3, 4, 5, 8, 9, 72)] == [1, 2, 4, 4, 8, 8, 8, 8]
     assert decoding.block_rows("rows", 1) == decoding.BLOCK_ROWS
-    # batch 1, 32 heads, one token: one block per head and split; "keys" aims at 8 blocks per SM, "rows" at 4
-    assert decoding.resolve_num_splits(1, 32, 32, 1, 65536, None, 132, "keys") == 33
-    assert decoding.resolve_num_splits(1, 32, 32, 1, 65536, None, 132, "rows") == 17
-    assert decoding.resolve_num_splits(1, 32, 4, 9, 65536, None, 132, "keys") == 30  # 72 rows: 9 chunks per head
+    # batch 1, 32 heads, one token: one block per head and split, one wave of the kernel's blocks per SM as built
+    # for sm_90 ("keys" at R = 1: 5; "rows": 4)
+    assert decoding.resolve_num_splits(1, 32, 32, 1, 65536, None, 132, "keys") == 20
+    assert decoding.resolve_num_splits(1, 32, 32, 1, 65536, None, 132, "rows") == 16
+    # GQA 32/8 at n = 1: a group of 4 rows, R = 4, 4 blocks per SM: 4 * 132 // 8
+    assert decoding.resolve_num_splits(1, 32, 8, 1, 131072, None, 132, "keys") == 66
+    assert decoding.resolve_num_splits(1, 32, 4, 9, 65536, None, 132, "keys") == 7  # 72 rows: 9 chunks of 8
     assert decoding.resolve_num_splits(1, 32, 32, 1, 65536, 5, 132, "keys") == 5
+    assert decoding.resolve_num_splits(1, 32, 32, 1, 65536, None, 132, "keys", blocks_per_sm=2) == 8
 
 
 def _ref_decode(q, k, v, lengths, causal, scale=None):
@@ -220,6 +225,28 @@ def test_many_rows_per_group_span_several_row_chunks(rng, dt, kernel):
     _check_decode(rng, dt, 2, 8, 1, 5, 300, 64, False, 3, [300, 123], kernel=kernel)
     _check_decode(rng, dt, 1, 16, 4, 16, 2000, 128, True, None, [1999], kernel=kernel)  # default splits
     _check_decode(rng, dt, 1, 6, 2, 1, 777, 64, True, 4, [777], kernel=kernel)  # 3 rows: the "keys" R = 4 kernel
+
+
+@pytest.mark.gpu
+def test_default_splits_are_one_wave_of_the_compiled_kernels_occupancy(rng):
+    """decode's default split count is resolve_num_splits with the driver's resident blocks of the kernel it
+    launches (batch 1, GQA 32/8 and MHA); on sm_90 those are the blocks the kernels are built for."""
+    import cupy as cp
+
+    import flashlab.gpu as fgpu
+
+    sms, cc = fgpu.sm_count(), fgpu.device_limits().cc
+    for H, Hk, m in ((32, 8, 8192), (32, 32, 8192), (8, 4, 4096)):
+        q = cp.asarray(rng.standard_normal((1, H, 1, 128)).astype(np.float16))
+        k, v = (cp.asarray(rng.standard_normal((1, Hk, m, 128)).astype(np.float16)) for _ in range(2))
+        rows = decoding.block_rows("keys", H // Hk)
+        kern = fgpu.kernel_function(decoding.KEYS_FILE, f"decode_keys_f16_d128_r{rows}")
+        resident = decoding.resident_blocks(kern)
+        if cc == 90:
+            assert resident == decoding.KEYS_BLOCKS_PER_SM[rows], (rows, resident)
+        used = fgpu.decode(q, k, v, kernel="keys", return_partials=True)[2].shape[-2]
+        assert used == decoding.resolve_num_splits(1, H, Hk, 1, m, None, sms, "keys", resident)
+        assert Hk * used <= resident * sms or used == 1  # one wave
 
 
 @pytest.mark.gpu

@@ -68,7 +68,6 @@ def _decode_one(args, m: int, rows: list[dict], rng) -> None:
     print(f"# m={m}: KV cache {kv_bytes / 1e6:.1f} MB, copy bandwidth {copy_gbps:.0f} GB/s -> copy time "
           f"{read_once_ms * 1e3:.1f} us")
     ref, _ = fgpu.decode(q, k, v, num_splits=1, kernel="rows")
-    sms = fgpu.sm_count()
     out = (cp.empty_like(q), cp.empty(q.shape[:-1], dtype=cp.float32))
     workspace = fgpu.Workspace()
     # impl: "<kernel>" with the default split count, "<kernel>_unsplit", "<kernel>_split_<S>"
@@ -78,7 +77,8 @@ def _decode_one(args, m: int, rows: list[dict], rng) -> None:
         def fn(splits=splits, kern=kern):
             return fgpu.decode(q, k, v, num_splits=splits, kernel=kern, out=out, workspace=workspace)
 
-        used = decoding.resolve_num_splits(B, H, Hk, nq, m, splits, sms, kern)
+        # the split count decode chose (the default comes from the kernel's occupancy on this GPU)
+        used = splits or int(fgpu.decode(q, k, v, kernel=kern, return_partials=True)[2].shape[-2])
         _time(args, rows, {**base, "impl": name, "kernel": kern, "num_splits": used}, fn, "cupy",
               lambda fn=fn: fn()[0], ref, read_once_ms)
     try:

@@ -54,7 +54,12 @@ BLOCK_KEYS = 32  # keys per tile of the "rows" kernel (BC in the .cu); split len
 BLOCK_ROWS = 32  # query rows (heads of a group x query tokens) per block of the "rows" kernel (ROWS in the .cu)
 KEYS_ROWS = (1, 2, 4, 8)  # row counts the "keys" kernel is compiled for (R in the .cu): the smallest that fits
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs (launch share, merge traffic) outweigh its keys
-BLOCKS_PER_SM = {"rows": 4, "keys": 8}  # default splits aim at this many blocks per SM (about two waves)
+# Blocks of each split kernel an SM holds at once, as built for sm_90 (the "keys" kernel's __launch_bounds__
+# minimum per R): the default split count fills the GPU with one wave of them. On a GPU, decode asks the driver
+# for the compiled kernel's real number instead (``resident_blocks``); these are what the CPU-side planning and
+# chapter 8 assume.
+BLOCKS_PER_SM = {"rows": 4, "keys": 5}
+KEYS_BLOCKS_PER_SM = {1: 5, 2: 4, 4: 4, 8: 2}
 FILES = {"keys": KEYS_FILE, "rows": KERNEL_FILE}
 THREADS = 128  # threads per block of both split kernels
 MIN_CC = 75  # plain CUDA (bf16 stored by hand below sm_80); static shared memory only (< 48 KB)
@@ -150,13 +155,15 @@ def decode_numpy(q, k, v, *, num_splits: int = 1, lengths=None, causal: bool = F
 
 def default_num_splits(batch: int, kv_heads: int, row_chunks: int, m: int, sm_count: int,
                        blocks_per_sm: int = 4) -> int:
-    """Enough splits that the grid covers every SM ``blocks_per_sm`` times, but no split under MIN_KEYS_PER_SPLIT.
+    """As many splits as make one full wave: every SM holding ``blocks_per_sm`` blocks at once, none left over for a
+    second wave; but no split under MIN_KEYS_PER_SPLIT keys, and at least one.
 
-    FlashDecoding's idea, not its exact rule; the decode benchmark's split sweep (data/ch8/decode.json) shows how
-    close it is.
+    FlashDecoding's idea, not its exact rule. One wave rather than more: a block streams its keys at the speed the
+    SM's share of DRAM allows, so a second wave only adds a tail (the decode benchmark's split sweep, in
+    data/ch8/decode.json and data/ch8/decode_gqa.json, shows it).
     """
     blocks = batch * kv_heads * row_chunks
-    want = math.ceil(blocks_per_sm * sm_count / blocks)
+    want = blocks_per_sm * sm_count // blocks
     return int(max(1, min(want, math.ceil(m / MIN_KEYS_PER_SPLIT), 1024)))
 
 
@@ -168,13 +175,31 @@ def block_rows(kernel: str, rows: int) -> int:
 
 
 def resolve_num_splits(batch: int, heads: int, kv_heads: int, n: int, m: int, num_splits: int | None,
-                       sm_count: int, kernel: str = KERNELS[0]) -> int:
-    """The split count decode uses: ``num_splits`` if given, else ``default_num_splits`` for this launch."""
+                       sm_count: int, kernel: str = KERNELS[0], blocks_per_sm: int | None = None) -> int:
+    """The split count decode uses: ``num_splits`` if given, else ``default_num_splits`` for this launch, with
+    ``blocks_per_sm`` resident blocks per SM (None: the kernel's as built for sm_90, ``KEYS_BLOCKS_PER_SM``)."""
     if num_splits is not None:
         return int(num_splits)
     rows = heads // kv_heads * n
-    chunks = math.ceil(rows / block_rows(kernel, rows))
-    return default_num_splits(batch, kv_heads, chunks, m, sm_count, BLOCKS_PER_SM[kernel])
+    per_block = block_rows(kernel, rows)
+    chunks = math.ceil(rows / per_block)
+    if blocks_per_sm is None:
+        blocks_per_sm = KEYS_BLOCKS_PER_SM[per_block] if kernel == "keys" else BLOCKS_PER_SM[kernel]
+    return default_num_splits(batch, kv_heads, chunks, m, sm_count, blocks_per_sm)
+
+
+_RESIDENT: dict[int, int] = {}  # kernel pointer -> blocks per SM, from the driver
+
+
+def resident_blocks(kern) -> int:
+    """Blocks of a compiled split kernel (THREADS threads, static shared memory only) that one SM of this GPU holds
+    at once, as the driver's occupancy calculator says (its registers and shared memory as built here)."""
+    ptr = kern.kernel.ptr
+    got = _RESIDENT.get(ptr)
+    if got is None:
+        got = _RESIDENT[ptr] = max(1, int(_cupy().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            ptr, THREADS, 0)))
+    return got
 
 
 # ------------------------------------------------------------------------------------------------ GPU: launch
@@ -215,7 +240,8 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     C-contiguous, float16, or bfloat16 bits in uint16 with ``bf16=True``; d is 64 or 128. ``lengths`` (one int per
     batch element, 0 <= length <= m) says how much of each cache is filled; default all m. ``causal``: the n query
     tokens are the last n entries of the cache, so token i sees keys j <= i + length - n. ``num_splits`` None
-    picks enough splits to fill the GPU (``default_num_splits``); 1 is the unsplit kernel (one block per (batch,
+    picks enough splits to fill the GPU with one wave of blocks (``default_num_splits``, with the kernel's
+    occupancy on this GPU: ``resident_blocks``); 1 is the unsplit kernel (one block per (batch,
     K/V head, chunk of query rows)), followed by the same merge kernel, which then copies. ``kernel`` picks the
     split kernel: "keys", "rows" (the first version; see the module's docstring) or "best" (the default: "keys"
     where the GPU runs it, ``plan_decode``).
@@ -249,8 +275,9 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
         raise ValueError(f"heads_kv x ceil(group x n / {rows}) must be at most 65535; got {Hk * chunks}")
     if kernel == "keys" and B * Hk > 65535:
         raise ValueError(f"batch x heads_kv must be at most 65535; got {B * Hk}")
+    split, merge = _kernels(dt, d, kernel, rows)
     if num_splits is None:
-        num_splits = resolve_num_splits(B, H, Hk, n, m, None, sm_count(), kernel)
+        num_splits = resolve_num_splits(B, H, Hk, n, m, None, sm_count(), kernel, resident_blocks(split))
     if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
         raise TypeError(f"num_splits must be an int or None; got {num_splits!r}")
     if not 1 <= num_splits <= 65535:
@@ -258,7 +285,6 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     num_splits = int(num_splits)
     lens = _lengths_array(lengths, B, m)
 
-    split, merge = _kernels(dt, d, kernel, rows)
     if workspace is None:
         o_parts = cp.empty((B, H, n, num_splits, d), dtype=cp.float32)
         lse_parts = cp.empty((B, H, n, num_splits), dtype=cp.float32)

@@ -123,19 +123,21 @@ def backward_and_decode(quick: bool = False) -> int:
                     bad += not ok
                     print(f"backward {kernel:<4} {dt:<4} d={d:<4} n={n:<4} m={m:<4} causal={causal!s:<5} rel errors "
                           f"{', '.join(f'{e:.1e}' for e in errs)} {'ok' if ok else 'FAIL'}", flush=True)
-                qd = dev[0][:, :, :3].copy()  # three new tokens
+                # three new tokens (6 rows of the 2-head group: the "keys" R = 8 kernel), and two (R = 4);
                 # lengths=None: the kernels read every key through a null lengths pointer (the default call)
-                for splits, kernel, length in ((1, "rows", m - 5), (3, "rows", m - 5), (1, "keys", m - 5),
-                                               (3, "keys", m - 5), (3, "rows", None), (3, "keys", None)):
+                for tok, splits, kernel, length in ((3, 1, "rows", m - 5), (3, 3, "rows", m - 5), (3, 1, "keys", m - 5),
+                                                    (3, 3, "keys", m - 5), (3, 3, "rows", None), (3, 3, "keys", None),
+                                                    (2, 3, "keys", m - 5), (2, None, "keys", None)):
+                    qd = dev[0][:, :, :tok].copy()
                     od, ld = fgpu.decode(qd, dev[1], dev[2], num_splits=splits, causal=causal, bf16=bf,
                                          kernel=kernel, lengths=None if length is None else [length])
                     used = m if length is None else length
-                    O, _ = reference.attention(q[:, :, :3], k[:, :, :used], v[:, :, :used], causal=causal)
+                    O, _ = reference.attention(q[:, :, :tok], k[:, :, :used], v[:, :, :used], causal=causal)
                     err = float(np.abs(host(od) - O).max())
                     ok = err < (3e-2 if bf else 4e-3)
                     bad += not ok
-                    print(f"decode   {kernel:<4} {dt:<4} d={d:<4} m={used:<4} splits={splits} causal={causal!s:<5} "
-                          f"max error {err:.1e} {'ok' if ok else 'FAIL'}", flush=True)
+                    print(f"decode   {kernel:<4} {dt:<4} d={d:<4} tokens={tok} m={used:<4} splits={splits} "
+                          f"causal={causal!s:<5} max error {err:.1e} {'ok' if ok else 'FAIL'}", flush=True)
     return _verdict(bad)
 
 

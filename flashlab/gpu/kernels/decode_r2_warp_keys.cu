@@ -201,8 +201,21 @@ __device__ void decode_keys(const u16* __restrict__ q, const u16* __restrict__ k
                                        int causal) {                                                              \
         decode_keys<TY, D, R, U>(q, k, v, lens, opart, lpart, n, m, H, Hk, split_len, scale, causal);            \
     }
-// Loads in flight (U) and blocks per SM (MINB) of the R = 4 and R = 8 kernels (the GQA groups) are defines, so that
+// Loads in flight (U) and blocks per SM (MINB) of the R = 2, 4 and 8 kernels (the GQA groups) are defines, so that
 // a sweep can build other pairs beside the defaults (flashlab.gpu.kernel_function(..., defines=...)).
+#ifndef U_R2
+#define U_R2 8
+#endif
+#ifndef MINB_R2
+#define MINB_R2 4
+#endif
+// R = 4 (a GQA group of 4 heads at n = 1): on sm_90 half the loads in flight and twice the blocks, 128 registers,
+// measured faster on the H200 (docs/kernels.md, "Split-KV decoding"); elsewhere that pair spills 4 bytes (sm_80,
+// sm_86), so the first choice stays there.
+#if !defined(U_R4) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define U_R4 4
+#define MINB_R4 4
+#endif
 #ifndef U_R4
 #define U_R4 8
 #endif
@@ -217,7 +230,7 @@ __device__ void decode_keys(const u16* __restrict__ q, const u16* __restrict__ k
 #endif
 #define DEFINE_ROWS(DT, TY, D) \
     DEFINE_KERNEL(DT, TY, D, 1, 8, 5) \
-    DEFINE_KERNEL(DT, TY, D, 2, 8, 4) \
+    DEFINE_KERNEL(DT, TY, D, 2, U_R2, MINB_R2) \
     DEFINE_KERNEL(DT, TY, D, 4, U_R4, MINB_R4) \
     DEFINE_KERNEL(DT, TY, D, 8, U_R8, MINB_R8)
 
