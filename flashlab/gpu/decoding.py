@@ -188,17 +188,18 @@ def resolve_num_splits(batch: int, heads: int, kv_heads: int, n: int, m: int, nu
     return default_num_splits(batch, kv_heads, chunks, m, sm_count, blocks_per_sm)
 
 
-_RESIDENT: dict[int, int] = {}  # kernel pointer -> blocks per SM, from the driver
+# id of a kernel object of flashlab.gpu.kernel_function (kept there, one per file, defines, name and device, for the
+# life of the process) -> its blocks per SM, asked of the driver once: a decoding step pays a dictionary lookup
+_RESIDENT: dict[int, int] = {}
 
 
 def resident_blocks(kern) -> int:
     """Blocks of a compiled split kernel (THREADS threads, static shared memory only) that one SM of this GPU holds
     at once, as the driver's occupancy calculator says (its registers and shared memory as built here)."""
-    ptr = kern.kernel.ptr
-    got = _RESIDENT.get(ptr)
+    got = _RESIDENT.get(id(kern))
     if got is None:
-        got = _RESIDENT[ptr] = max(1, int(_cupy().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-            ptr, THREADS, 0)))
+        got = _RESIDENT[id(kern)] = max(1, int(_cupy().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            kern.kernel.ptr, THREADS, 0)))
     return got
 
 
