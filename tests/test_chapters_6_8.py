@@ -20,7 +20,7 @@ from flashlab import gpu as fgpu
 from flashlab import records
 from flashlab.bench import forward
 from flashlab.gpu import backward as gbwd
-from flashlab.gpu import rungs
+from flashlab.gpu import decoding, rungs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CH6, CH7, CH8 = (next((ROOT / "notebooks").glob(f"{n}_*.ipynb")) for n in ("06", "07", "08"))
@@ -225,8 +225,9 @@ def test_chapter7_sets_the_rungs_against_the_measured_mma_ceiling(ch7_ladder):
 
 
 def test_the_notes_show_the_forward_records_as_their_tables_print_them():
-    """docs/kernels.md's tables of the ladder, of rungs 11 and 12 (fp16, bf16) and of the mma.sync ceiling are the
-    records as the package formats them today: a new record means regenerated tables, not stale ones."""
+    """docs/kernels.md's tables of the ladder, of rungs 11 and 12 (fp16, bf16), of the mma.sync ceiling and of the
+    two decode records are the records as the package formats them today: a new record means regenerated tables,
+    not stale ones."""
     from flashlab.bench import peak
 
     notes = KERNELS_MD.read_text()
@@ -235,6 +236,10 @@ def test_the_notes_show_the_forward_records_as_their_tables_print_them():
               peak.markdown_table(records.read_record("benchmarks/peak")["rows"])]
     tables += [forward.ladder_markdown(probe["rows"], columns=forward.columns_of(probe["rows"], dt), dtype=dt)
                for dt in ("float16", "bfloat16")]
+    from flashlab.bench import decode
+
+    tables += [decode.markdown_table(records.read_record("ch8/decode")["rows"], decode.SUMMARY_IMPLS),
+               decode.markdown_table(records.read_record("ch8/decode_gqa")["rows"])]
     for table in tables:
         assert table in notes, table.splitlines()[2]
     assert ladder["provenance"]["command"] in notes and probe["provenance"]["command"] in notes
@@ -365,6 +370,35 @@ def test_chapter8_explains_rows_faster_than_the_copy_time():
     # what the chapter says the copy time is: the time to move kv_bytes at the measured copy bandwidth
     for r in rows:
         assert r["read_once_ms"] == pytest.approx(r["kv_bytes"] / (r["copy_gbps"] * 1e9) * 1e3, rel=1e-3)
+
+
+def test_chapter8_gqa_decoding_marks_one_wave_and_says_what_the_record_shows():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    ns: dict = {}
+    run_cells(CH8, ["dc4264cb", "a122168c"], ns)
+    printed = run_cells(CH8, ["decode-gqa"], ns)
+    ns["plt"].close("all")
+    rec = records.read_record("ch8/decode_gqa")
+    rows = [r for r in rec["rows"] if "error" not in r]
+    r0 = rows[0]
+    one_wave = decoding.resolve_num_splits(1, r0["heads"], r0["kv_heads"], 1, r0["m"], None, 132, "keys")
+    assert f"one wave = {one_wave} splits" in printed and rec["provenance"]["command"] in printed
+    lesson = text(cell_by_id(CH8, "decode-gqa-reading"))
+    # "One wave is the fastest split count of the sweep, under both protocols"
+    for protocol in records.PROTOCOLS:
+        sweep = {r["num_splits"]: r["median_ms"] for r in rows if r["impl"].startswith("keys_split_")
+                 and records.protocol_of(r) == protocol}
+        assert min(sweep, key=sweep.get) == one_wave, (protocol, sweep)
+    assert "One wave is the fastest split count of the sweep, under both protocols" in lesson
+    # "further from the copy time than the one-row step ... and behind cuDNN"
+    one_row = next(r for r in records.read_record("ch8/decode")["rows"] if r["impl"] == "keys"
+                   and records.protocol_of(r) == "throughput")
+    keys = {records.protocol_of(r): r for r in rows if r["impl"] == "keys"}
+    cudnn = {records.protocol_of(r): r for r in rows if r["impl"] == "sdpa_cudnn"}
+    assert keys["throughput"]["x_read_once"] > one_row["x_read_once"]
+    assert all(keys[p]["median_ms"] > cudnn[p]["median_ms"] for p in records.PROTOCOLS)
 
 
 # --- every timed table states its protocol and units -------------------------------------------------------------

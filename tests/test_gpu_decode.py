@@ -241,7 +241,7 @@ def test_default_splits_are_one_wave_of_the_compiled_kernels_occupancy(rng):
         k, v = (cp.asarray(rng.standard_normal((1, Hk, m, 128)).astype(np.float16)) for _ in range(2))
         rows = decoding.block_rows("keys", H // Hk)
         kern = fgpu.kernel_function(decoding.KEYS_FILE, f"decode_keys_f16_d128_r{rows}")
-        resident = decoding.resident_blocks(kern)
+        resident = decoding.resident_blocks(kern, decoding.built_blocks_per_sm("keys", rows))
         if cc == 90:
             assert resident == decoding.KEYS_BLOCKS_PER_SM[rows], (rows, resident)
         used = fgpu.decode(q, k, v, kernel="keys", return_partials=True)[2].shape[-2]

@@ -18,7 +18,7 @@ from flashlab.bench import backward, decode, forward, host, memory, peak, profil
 FORWARD = ("benchmarks/ladder", "benchmarks/memory_sweep", "benchmarks/memory_sweep_rung2", "benchmarks/protocols",
            "benchmarks/r12_probe")
 # records timed under both protocols: every timed implementation and shape has a row of each
-BOTH_PROTOCOLS = ("benchmarks/protocols", "ch8/bwd", "ch8/decode", "benchmarks/r12_probe")
+BOTH_PROTOCOLS = ("benchmarks/protocols", "ch8/bwd", "ch8/decode", "ch8/decode_gqa", "benchmarks/r12_probe")
 ROW_KEYS = {"impl", "pass", "dtype", "d", "n", "batch", "heads", "causal", "median_ms", "tflops"}
 PROVENANCE_KEYS = {"date_utc", "command", "gpu", "cupy", "numpy", "torch", "cuda_runtime", "nvidia_smi"}
 # summary -> the Nsight Compute CSV it is made from
@@ -37,6 +37,7 @@ TUNE = ("benchmarks/tune_exp2_tiles", "benchmarks/tune_warp32", "benchmarks/tune
 TRAINING = {
     "ch8/bwd": (backward, "python -m flashlab.gpu.bench8 bwd"),
     "ch8/decode": (decode, "python -m flashlab.gpu.bench8 decode"),
+    "ch8/decode_gqa": (decode, "python -m flashlab.gpu.bench8 decode"),
     "ch8/memory": (memory, "python -m flashlab.gpu.bench8 memory"),
     "ch8/train": (train, "python -m flashlab.gpu.bench8 train"),
 }
@@ -107,6 +108,20 @@ def test_ncu_summaries_are_reproducible_from_their_csv(name):
     assert pathlib.PurePosixPath(data["source"]).name == csv_path.name  # the file it was made from, then
     assert profile.summarize(csv_path.read_text()) == data["processes"]
     assert data["provenance"]["gpu"]
+
+
+def test_decode_records_default_split_is_the_fastest_of_the_sweep_within_noise():
+    """docs/kernels.md: one wave (the default split count) is the fastest split count of each decode record's
+    sweep of the "keys" kernel under throughput, or within 1 % of it; and the GQA record's group runs with 4 K/V
+    heads' worth of rows per block (kv_heads = heads / 4)."""
+    for name in ("ch8/decode", "ch8/decode_gqa"):
+        rows = [r for r in records.read_record(name)["rows"] if "error" not in r and r.get("kernel") == "keys"
+                and records.protocol_of(r) == "throughput"]
+        default = next(r for r in rows if r["impl"] == "keys")
+        fastest = min(r["median_ms"] for r in rows)
+        assert default["median_ms"] <= 1.01 * fastest, (name, default["num_splits"])
+    gqa = records.read_record("ch8/decode_gqa")["rows"]
+    assert {(r["heads"], r["kv_heads"]) for r in gqa} == {(32, 8)}
 
 
 def test_peak_record_recomputes_and_bounds_every_rung():

@@ -134,6 +134,40 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+LABELS = {"keys": "`keys` (decode_r2_warp_keys.cu), default splits",
+          "rows": "`rows` (decode_r1_split.cu), default splits",
+          "sdpa": "PyTorch SDPA, its own backend choice", "sdpa_flash": "PyTorch SDPA, flash backend",
+          "sdpa_cudnn": "PyTorch SDPA, cuDNN backend"}
+
+
+def _label(impl: str) -> str:
+    kernel, _, rest = impl.partition("_")
+    if rest == "unsplit":
+        return f"`{kernel}`, unsplit"
+    if rest.startswith("split_"):
+        return f"`{kernel}`, {rest.split('_')[1]} splits"
+    return LABELS.get(impl, impl)
+
+
+# The rows docs/kernels.md shows of data/ch8/decode.json (the whole sweep is in the file)
+SUMMARY_IMPLS = ("keys", "keys_unsplit", "keys_split_41", "rows", "rows_unsplit", "sdpa", "sdpa_flash", "sdpa_cudnn")
+
+
+def markdown_table(rows: list[dict], impls: tuple[str, ...] | None = None) -> str:
+    """Markdown as docs/kernels.md shows a decode record: per implementation (``impls``, default every one) and
+    protocol, the time, its multiple of the copy time and its speed as a multiple of sdpa_flash's and sdpa_cudnn's."""
+    times = median_times(rows, key=lambda r: (r["m"],))
+    out = ["| impl | splits | protocol | µs | x read-once | x sdpa_flash | x sdpa_cudnn |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if "error" in r or (impls is not None and r["impl"] not in impls):
+            continue
+        flash, cudnn = ratio_cells(r, times, key=lambda r: (r["m"],))
+        out.append(f"| {_label(r['impl'])} | {r.get('num_splits', '-')} | {records.protocol_of(r)} | "
+                   f"{r['median_ms'] * 1e3:.1f} | {r['x_read_once']:.2f} | {flash} | {cudnn} |")
+    return "\n".join(out)
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line of this benchmark."""
     p = record_parser("decode", __doc__.splitlines()[0], name="decode", out=OUT_DIR)

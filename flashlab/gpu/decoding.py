@@ -184,7 +184,7 @@ def resolve_num_splits(batch: int, heads: int, kv_heads: int, n: int, m: int, nu
     per_block = block_rows(kernel, rows)
     chunks = math.ceil(rows / per_block)
     if blocks_per_sm is None:
-        blocks_per_sm = KEYS_BLOCKS_PER_SM[per_block] if kernel == "keys" else BLOCKS_PER_SM[kernel]
+        blocks_per_sm = built_blocks_per_sm(kernel, per_block)
     return default_num_splits(batch, kv_heads, chunks, m, sm_count, blocks_per_sm)
 
 
@@ -193,14 +193,22 @@ def resolve_num_splits(batch: int, heads: int, kv_heads: int, n: int, m: int, nu
 _RESIDENT: dict[int, int] = {}
 
 
-def resident_blocks(kern) -> int:
+def resident_blocks(kern, built_for: int) -> int:
     """Blocks of a compiled split kernel (THREADS threads, static shared memory only) that one SM of this GPU holds
-    at once, as the driver's occupancy calculator says (its registers and shared memory as built here)."""
+    at once, as the driver's occupancy calculator says (its registers and shared memory as built here).
+    ``built_for``: the number the kernel is built for, returned for a kernel with no driver handle (the CPU host
+    emulation of tools/hostemu launches Python functions)."""
     got = _RESIDENT.get(id(kern))
     if got is None:
-        got = _RESIDENT[id(kern)] = max(1, int(_cupy().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-            kern.kernel.ptr, THREADS, 0)))
+        ptr = getattr(getattr(kern, "kernel", None), "ptr", None)
+        got = _RESIDENT[id(kern)] = built_for if ptr is None else max(
+            1, int(_cupy().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(ptr, THREADS, 0)))
     return got
+
+
+def built_blocks_per_sm(kernel: str, rows: int) -> int:
+    """Blocks per SM a split kernel of ``rows`` query rows per block is built for (as on sm_90)."""
+    return KEYS_BLOCKS_PER_SM[rows] if kernel == "keys" else BLOCKS_PER_SM[kernel]
 
 
 # ------------------------------------------------------------------------------------------------ GPU: launch
@@ -278,7 +286,8 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
         raise ValueError(f"batch x heads_kv must be at most 65535; got {B * Hk}")
     split, merge = _kernels(dt, d, kernel, rows)
     if num_splits is None:
-        num_splits = resolve_num_splits(B, H, Hk, n, m, None, sm_count(), kernel, resident_blocks(split))
+        resident = resident_blocks(split, built_blocks_per_sm(kernel, rows))
+        num_splits = resolve_num_splits(B, H, Hk, n, m, None, sm_count(), kernel, resident)
     if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
         raise TypeError(f"num_splits must be an int or None; got {num_splits!r}")
     if not 1 <= num_splits <= 65535:
