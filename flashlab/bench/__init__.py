@@ -42,6 +42,8 @@ KINDS = {
              "communication, link bandwidth, longest n that fits -> data/ring/NAME.json"),
     "host": ("flashlab.bench.host", "host time per call of attention, attention_backward and decode "
              "-> data/benchmarks/host.json"),
+    "ablate": ("flashlab.bench.ablate", "rungs 6 and 8 with one change undone at a time, beside the rung before "
+               "-> data/benchmarks/ablations.json"),
     "peak": ("flashlab.bench.peak", "the tensor-core ceiling of mma.sync (fp16, bf16) with nothing else in the "
              "loop -> data/benchmarks/peak.json"),
     "sparse": ("flashlab.bench.sparse", "block-sparse attention (sliding and dilated windows) against its density, "

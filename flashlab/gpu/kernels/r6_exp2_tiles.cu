@@ -15,6 +15,10 @@
 //   the end of the keys) pay for the mask. Blocks are launched longest first (query tiles in reverse), so the
 //   short ones fill in the tail.
 //
+// Each change can be undone alone, to time what it brings (python -m flashlab bench ablate): -DABLATE_EXP2 takes
+// every exponential through expf, -DABLATE_DEFERRED_NORM normalises P and O every tile (rung 5's way),
+// -DNWARPS=4 gives 64-row blocks, -DABLATE_CAUSAL_SKIP makes causal blocks visit every key tile (masked).
+//
 // Inputs fp16 or bf16 (raw 16-bit patterns). Layout: q (B, H, n, D), k and v (B, Hk, m, D), o like q,
 // lse (B, H, n) fp32. Grid: (ceil(n / BR), H, B); block: 32 * NWARPS threads;
 // dynamic shared memory: (BR + 2 * 2 * BC) * D * 2 bytes (96 KB at D = 128 with the defaults).
@@ -73,6 +77,11 @@ __device__ __forceinline__ float ex2(float x) {  // 2^x; ex2.approx(-inf) = +0
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
+#ifdef ABLATE_EXP2
+#define EXP2(x) expf((x) * LN2)  // the same power of two, through the library's e^x
+#else
+#define EXP2(x) ex2(x)
+#endif
 __device__ __forceinline__ float quad_sum(float x) {
     x += __shfl_xor_sync(0xffffffffu, x, 1);
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
@@ -143,7 +152,11 @@ __device__ void attn_mma(const u16* __restrict__ q, const u16* __restrict__ k, c
     const u16* vb = v + ((size_t)b * Hk + hk) * m * D;
     const int row0 = q0 + warp * 16 + g, row1 = row0 + 8;
     // Keys the block may see: all of them, or (causal) up to the last row's diagonal. Rows past n count as n-1.
+#ifdef ABLATE_CAUSAL_SKIP
+    const int block_kend = m;  // every tile, the ones past the diagonal masked whole
+#else
     const int block_kend = causal ? min(m, min(q0 + BR, n) + (m - n)) : m;
+#endif
     const int ntiles = block_kend > 0 ? (block_kend + BC - 1) / BC : 0;
     // Tiles starting at or after this key need the mask: they cross the first row's diagonal, or key m.
     const int mask_from = causal ? min(q0 + (m - n) + 1 - BC + 1, m - BC + 1) : m - BC + 1;
@@ -226,17 +239,40 @@ __device__ void attn_mma(const u16* __restrict__ q, const u16* __restrict__ k, c
         }
         const float mn0 = fmaxf(m0, quad_max(t0)), mn1 = fmaxf(m1, quad_max(t1));
         const float ms0 = mn0 == NEG_INF ? 0.f : mn0, ms1 = mn1 == NEG_INF ? 0.f : mn1;  // no (-inf) - (-inf)
-        const float c0 = ex2(m0 - ms0), c1 = ex2(m1 - ms1);
+        const float c0 = EXP2(m0 - ms0), c1 = EXP2(m1 - ms1);
         float r0 = 0.f, r1 = 0.f;
 #pragma unroll
         for (int nt = 0; nt < BC / 8; ++nt) {
-            s[nt][0] = ex2(s[nt][0] - ms0);
-            s[nt][1] = ex2(s[nt][1] - ms0);
-            s[nt][2] = ex2(s[nt][2] - ms1);
-            s[nt][3] = ex2(s[nt][3] - ms1);
+            s[nt][0] = EXP2(s[nt][0] - ms0);
+            s[nt][1] = EXP2(s[nt][1] - ms0);
+            s[nt][2] = EXP2(s[nt][2] - ms1);
+            s[nt][3] = EXP2(s[nt][3] - ms1);
             r0 += s[nt][0] + s[nt][1];
             r1 += s[nt][2] + s[nt][3];
         }
+#ifdef ABLATE_DEFERRED_NORM
+        // Normalised every tile: the row's whole sum (quad reduction), a reciprocal, P scaled by it, and O by
+        // the ratio of the old sum to the new one.
+        const float ln0 = l0 * c0 + quad_sum(r0), ln1 = l1 * c1 + quad_sum(r1);
+        const float inv0 = ln0 > 0.f ? 1.f / ln0 : 0.f, inv1 = ln1 > 0.f ? 1.f / ln1 : 0.f;
+        const float f0 = l0 * c0 * inv0, f1 = l1 * c1 * inv1;
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; ++nt) {
+            s[nt][0] *= inv0;
+            s[nt][1] *= inv0;
+            s[nt][2] *= inv1;
+            s[nt][3] *= inv1;
+        }
+        l0 = ln0;
+        l1 = ln1;
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt) {
+            oacc[nt][0] *= f0;
+            oacc[nt][1] *= f0;
+            oacc[nt][2] *= f1;
+            oacc[nt][3] *= f1;
+        }
+#else
         // Unnormalised: l and O are only rescaled; l is this thread's partial sum (reduced at the end).
         l0 = l0 * c0 + r0;
         l1 = l1 * c1 + r1;
@@ -247,6 +283,7 @@ __device__ void attn_mma(const u16* __restrict__ q, const u16* __restrict__ k, c
             oacc[nt][2] *= c1;
             oacc[nt][3] *= c1;
         }
+#endif
         m0 = mn0, m1 = mn1;
 
         // O += P V. P's A fragment for keys 16kk..16kk+15 is made of S tiles 2kk and 2kk+1.
@@ -270,9 +307,13 @@ __device__ void attn_mma(const u16* __restrict__ q, const u16* __restrict__ k, c
     }
 
     // The one division: finish each row's sum across its quad, divide, write O and the logsumexp.
+#ifdef ABLATE_DEFERRED_NORM
+    const float i0 = 1.f, i1 = 1.f;  // O is already normalised, l already the row's whole sum
+#else
     l0 = quad_sum(l0);
     l1 = quad_sum(l1);
     const float i0 = l0 > 0.f ? 1.f / l0 : 0.f, i1 = l1 > 0.f ? 1.f / l1 : 0.f;
+#endif
     u16* ob = o + ((size_t)b * H + h) * n * D;
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt) {

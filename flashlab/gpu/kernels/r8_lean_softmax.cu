@@ -10,11 +10,20 @@
 // * The registers this frees let d = 128 use 64-key tiles (rung 7: 32) without spilling: half the barriers,
 //   max reductions and rescale checks per key.
 //
+// Each change can be undone alone, to time what it brings (python -m flashlab bench ablate): -DABLATE_RAW_MAX
+// keeps the max in scaled units again (a multiply, then a subtract feeding ex2), -DABLATE_SKIP_RESCALE rescales O
+// every tile, -DBC_D128=32 gives d = 128 rung 7's 32-key tiles.
+//
 // Inputs fp16 or bf16 (raw 16-bit patterns). Layout: q (B, H, n, D), k and v (B, Hk, m, D), o like q,
 // lse (B, H, n) fp32. Grid: (ceil(n / BR), H, B) with BR = 32 * NWARPS; block: 32 * NWARPS threads;
 // dynamic shared memory: (BR + 2 * 2 * BC) * D * 2 bytes (96 KB at D = 128, 48 KB at D = 64 with the defaults).
 
 #define NEG_INF (-__int_as_float(0x7f800000))
+#ifdef ABLATE_SKIP_RESCALE
+#define RESCALE_ALWAYS true
+#else
+#define RESCALE_ALWAYS false
+#endif
 #ifndef NWARPS
 #define NWARPS 4
 #endif
@@ -148,6 +157,11 @@ __device__ void attn_lean(const u16* __restrict__ q, const u16* __restrict__ k, 
     const int ntiles = block_kend > 0 ? (block_kend + BC - 1) / BC : 0;
     const int mask_from = causal ? min(q0 + (m - n) + 2 - BC, m - BC + 1) : m - BC + 1;
     const float scale2 = scale * LOG2E;
+#ifdef ABLATE_RAW_MAX
+    const float mscale = 1.f;  // the running max is kept in scaled units
+#else
+    const float mscale = scale2;  // the running max is kept in raw units
+#endif
 
     for (int e = threadIdx.x; e < BR * D / 8; e += NTHREADS) {
         const int r = e / (D / 8), c = e % (D / 8);
@@ -223,6 +237,12 @@ __device__ void attn_lean(const u16* __restrict__ q, const u16* __restrict__ k, 
                         if (k0 + nt * 8 + tg * 2 + (e & 1) >= lim) s[mt][nt][e] = NEG_INF;
                     }
             }
+#ifdef ABLATE_RAW_MAX
+#pragma unroll
+            for (int nt = 0; nt < BC / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][nt][e] *= scale2;
+#endif
             float t0 = NEG_INF, t1 = NEG_INF;
 #pragma unroll
             for (int nt = 0; nt < BC / 8; ++nt) {
@@ -230,21 +250,28 @@ __device__ void attn_lean(const u16* __restrict__ q, const u16* __restrict__ k, 
                 t1 = fmaxf(t1, fmaxf(s[mt][nt][2], s[mt][nt][3]));
             }
             const float mn0 = fmaxf(mx[mt][0], quad_max(t0)), mn1 = fmaxf(mx[mt][1], quad_max(t1));
-            const float ms0 = mn0 == NEG_INF ? 0.f : mn0 * scale2, ms1 = mn1 == NEG_INF ? 0.f : mn1 * scale2;
-            const float c0 = ex2(mx[mt][0] * scale2 - ms0), c1 = ex2(mx[mt][1] * scale2 - ms1);
+            const float ms0 = mn0 == NEG_INF ? 0.f : mn0 * mscale, ms1 = mn1 == NEG_INF ? 0.f : mn1 * mscale;
+            const float c0 = ex2(mx[mt][0] * mscale - ms0), c1 = ex2(mx[mt][1] * mscale - ms1);
             float r0 = 0.f, r1 = 0.f;
 #pragma unroll
             for (int nt = 0; nt < BC / 8; ++nt) {
+#ifdef ABLATE_RAW_MAX
+                s[mt][nt][0] = ex2(s[mt][nt][0] - ms0);
+                s[mt][nt][1] = ex2(s[mt][nt][1] - ms0);
+                s[mt][nt][2] = ex2(s[mt][nt][2] - ms1);
+                s[mt][nt][3] = ex2(s[mt][nt][3] - ms1);
+#else
                 s[mt][nt][0] = ex2(fmaf(s[mt][nt][0], scale2, -ms0));
                 s[mt][nt][1] = ex2(fmaf(s[mt][nt][1], scale2, -ms0));
                 s[mt][nt][2] = ex2(fmaf(s[mt][nt][2], scale2, -ms1));
                 s[mt][nt][3] = ex2(fmaf(s[mt][nt][3], scale2, -ms1));
+#endif
                 r0 += s[mt][nt][0] + s[mt][nt][1];
                 r1 += s[mt][nt][2] + s[mt][nt][3];
             }
             l[mt][0] = l[mt][0] * c0 + r0;
             l[mt][1] = l[mt][1] * c1 + r1;
-            if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {  // uniform branch: one vote per warp
+            if (RESCALE_ALWAYS || __any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {  // uniform: one vote per warp
 #pragma unroll
                 for (int nt = 0; nt < D / 8; ++nt) {
                     oacc[mt][nt][0] *= c0;
@@ -297,8 +324,8 @@ __device__ void attn_lean(const u16* __restrict__ q, const u16* __restrict__ k, 
             if (row1 < n) *(u32*)(ob + (size_t)row1 * D + c) = Ty::pack(oacc[mt][nt][2] * i1, oacc[mt][nt][3] * i1);
         }
         if (tg == 0) {
-            if (row0 < n) lb[row0] = l0 > 0.f ? (mx[mt][0] * scale2 + __log2f(l0)) * LN2 : NEG_INF;
-            if (row1 < n) lb[row1] = l1 > 0.f ? (mx[mt][1] * scale2 + __log2f(l1)) * LN2 : NEG_INF;
+            if (row0 < n) lb[row0] = l0 > 0.f ? (mx[mt][0] * mscale + __log2f(l0)) * LN2 : NEG_INF;
+            if (row1 < n) lb[row1] = l1 > 0.f ? (mx[mt][1] * mscale + __log2f(l1)) * LN2 : NEG_INF;
         }
     }
 }
