@@ -9,7 +9,7 @@ DEV_STAMP := $(VENV)/.installed-dev-stamp
 PRESENT_STAMP := $(VENV)/.installed-present-stamp
 
 .PHONY: setup dev lab test test-gpu html slides present release grade lint clean \
-        bench-forward bench-peak bench-backward bench-decode bench-memory bench-train bench-ring bench-sparse bench-cpu \
+        bench-forward bench-ablate bench-peak bench-backward bench-decode bench-memory bench-train bench-ring bench-sparse bench-cpu \
         profile profile-occupancy sanitize
 
 setup: $(STAMP)
@@ -82,6 +82,10 @@ bench-forward: setup
 
 bench-backward: setup
 	$(BENCH) backward --n 4096 16384 --causal no --impls sdpa_flash ours_pipe ours_mma sdpa_cudnn --repeat 20 --warmup 3
+
+# Rungs 6 and 8 with one change undone at a time (chapter 7).
+bench-ablate: setup
+	$(BENCH) ablate
 
 # The tensor-core ceiling of mma.sync that chapter 7 sets each rung against.
 bench-peak: setup

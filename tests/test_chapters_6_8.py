@@ -236,13 +236,49 @@ def test_the_notes_show_the_forward_records_as_their_tables_print_them():
               peak.markdown_table(records.read_record("benchmarks/peak")["rows"])]
     tables += [forward.ladder_markdown(probe["rows"], columns=forward.columns_of(probe["rows"], dt), dtype=dt)
                for dt in ("float16", "bfloat16")]
-    from flashlab.bench import decode
+    from flashlab.bench import ablate, decode
 
+    tables += [ablate.markdown_table(records.read_record("benchmarks/ablations")["rows"], r) for r in ablate.ABLATIONS]
     tables += [decode.markdown_table(records.read_record("ch8/decode")["rows"], decode.SUMMARY_IMPLS),
                decode.markdown_table(records.read_record("ch8/decode_gqa")["rows"])]
     for table in tables:
         assert table in notes, table.splitlines()[2]
     assert ladder["provenance"]["command"] in notes and probe["provenance"]["command"] in notes
+
+
+def test_chapter7_ablations_print_the_record_and_each_claim_holds(ch7_ladder):
+    """The ablation cell prints both rungs' tables from the record; each sentence of the lesson after it is
+    checked against the record (multiples of the rung's speed: below 1, the undone change made the rung faster)."""
+    from flashlab.bench import ablate
+
+    ns, _, _ = ch7_ladder
+    shown: list[str] = []
+    ns["display"] = lambda obj: shown.append(obj.data)
+    printed = run_cells(CH7, ["ablate"], ns)
+    rec = records.read_record("benchmarks/ablations")
+    assert rec["provenance"]["command"] in printed
+    assert [ablate.markdown_table(rec["rows"], rung) in table for rung, table in zip(ablate.ABLATIONS, shown,
+                                                                                       strict=True)] == [True] * 2
+    rows = rec["rows"]
+
+    def span(rung, impl, d):
+        vals = ablate.effects([r for r in rows if r["d"] == d], rung)[f"{rung}-{impl}"]
+        return min(vals), max(vals)
+
+    lesson = " ".join(text(cell_by_id(CH7, "ablate-lesson")).split())
+    lo = min(span("exp2_tiles", "expf", d)[0] for d in (64, 128))
+    hi = max(span("exp2_tiles", "expf", d)[1] for d in (64, 128))
+    assert f"worth {100 * (1 / hi - 1):.0f}–{100 * (1 / lo - 1):.0f}% at both $d$" in lesson
+    assert f"runs at {lo:.2f}–{hi:.2f} of its speed" in lesson
+    assert all(0.4 < span("exp2_tiles", "no_causal_skip", d)[0] and span("exp2_tiles", "no_causal_skip", d)[1] < 0.6
+               for d in (64, 128))  # "roughly doubles causal speed"
+    for change in ("norm_each_tile", "4_warps"):  # "win at d = 128 and lose at d = 64"
+        assert span("exp2_tiles", change, 128)[1] < 1 < span("exp2_tiles", change, 64)[0]
+    assert 0.85 < span("lean", "32_keys", 128)[0] and span("lean", "32_keys", 128)[1] < 0.9  # "about an eighth"
+    assert all(0.95 <= span("lean", "scaled_max", d)[0] and span("lean", "scaled_max", d)[1] <= 1.05
+               for d in (64, 128))  # "within 5% either way"
+    assert span("lean", "always_rescale", 64)[0] > 1.02  # the vote costs at d = 64
+    assert 0.98 < span("lean", "always_rescale", 128)[0] and span("lean", "always_rescale", 128)[1] < 1.03
 
 
 def test_chapter7_ladder_chart_draws_no_bar_for_a_rung_the_record_lacks(ch7_ladder):

@@ -124,6 +124,25 @@ def test_decode_records_default_split_is_the_fastest_of_the_sweep_within_noise()
     assert {(r["heads"], r["kv_heads"]) for r in gqa} == {(32, 8)}
 
 
+def test_ablation_record_recomputes_and_times_every_variant_where_it_acts():
+    from flashlab.bench import ablate
+
+    data = records.read_record("benchmarks/ablations")
+    assert PROVENANCE_KEYS <= set(data["provenance"])
+    rows = data["rows"]
+    for r in rows:
+        f = forward.flop(r["n"], r["d"], r["batch"], r["heads"], r["causal"])
+        assert r["tflops"] == pytest.approx(f / (r["median_ms"] * 1e-3) / 1e12, rel=1e-3), r
+        assert r["repeat"] >= records.MIN_REPEAT and r["max_abs_diff"] <= 1e-2
+    shapes = {(r["d"], r["n"], r["causal"], r["protocol"]) for r in rows}
+    for rung, (before, changes) in ablate.ABLATIONS.items():
+        for d, n, causal, protocol in shapes:
+            timed = {r["impl"] for r in rows if (r["rung"], r["d"], r["n"], r["causal"], r["protocol"])
+                     == (rung, d, n, causal, protocol)}
+            want = {before, rung} | {f"{rung}-{name}" for name, _, _, where in changes if ablate.acts(where, d, causal)}
+            assert timed == want, (rung, d, n, causal, protocol)
+
+
 def test_peak_record_recomputes_and_bounds_every_rung():
     """The mma.sync ceiling: TFLOP/s recomputed from each row's work and time; more warps per SM never lose much
     (the loop is the same); and no rung of the ladder's run (same GPU) is above it."""
