@@ -118,6 +118,44 @@ def test_memory_carries_half_of_lab02_and_is_scored_on_its_own():
     assert r.score == 0 and "memory not measured" in r.feedback, r.feedback
 
 
+def _template_unfilled(Q, K, V, block_q, block_k):
+    """Lab 02's template with its `raise` line deleted: the arrays it allocates, returned unfilled."""
+    return np.empty((len(Q), V.shape[1])), np.empty(len(Q))
+
+
+def _template_zeros(Q, K, V, block_q, block_k):
+    return np.zeros((len(Q), V.shape[1])), np.empty(len(Q))
+
+
+def _backward_template(Q, K, V, O, L, dO, block_q, block_k):
+    """Lab 04's template with its `raise` line deleted."""
+    return np.zeros(Q.shape), np.zeros(K.shape), np.zeros(V.shape)
+
+
+def test_the_templates_arrays_returned_unfilled_earn_no_memory_points():
+    """Deleting a stub's `raise` line returns the template's arrays: of the right shapes, allocated tile-free,
+    so they used to earn the memory points that a wrong but tiled attempt keeps. Memory is now scored only for
+    arrays computed from the inputs; a wrong tiled attempt still earns it (above)."""
+    for q in ("q2", "q3"):
+        for fn in (_template_unfilled, _template_zeros):
+            r = run_question("lab02", q, [fn])
+            assert r.score == 0, r.feedback
+            assert "memory not measured" in r.feedback and ("template" in r.feedback), r.feedback
+    r = run_question("lab04", "q1", [_backward_template])
+    assert r.score == 0 and "memory not measured" in r.feedback and "template" in r.feedback, r.feedback
+    # the solution still earns everything; a backward with a wrong answer (dV from the wrong P) keeps memory
+    r = run_question("lab04", "q1", [solution_object("lab04", "flash_backward")])
+    assert r.score == r.max_score, r.feedback
+    right = solution_object("lab04", "flash_backward")
+
+    def wrong_dv(Q, K, V, O, L, dO, block_q, block_k):
+        dQ, dK, dV = right(Q, K, V, O, L, dO, block_q, block_k)
+        return dQ, dK, 1.5 * dV
+
+    r = run_question("lab04", "q1", [wrong_dv])
+    assert "[ok  ] memory" in r.feedback and r.score < r.max_score, r.feedback
+
+
 def test_a_forward_that_raises_at_the_memory_size_is_not_measured():
     forward = solution_object("lab02", "flash_forward")
 

@@ -429,6 +429,7 @@ class Trial:
         rtol: float = 1e-9,
         atol: float = 1e-12,
         shapes: Sequence[tuple[int, ...]] | None = None,
+        computed: tuple[tuple, int, tuple[int, ...], str] | None = None,
     ) -> bool:
         """Peak memory (tracemalloc) of ``fn(*args)`` must stay under ``limit_bytes``.
 
@@ -436,7 +437,17 @@ class Trial:
         ``shapes`` instead, memory is scored on its own: any output of those shapes is measured, right or wrong
         (the question scores correctness in its other parts). A function that runs elsewhere (the batch grader's
         proxies) measures its own peak: ``fn.peak_memory(*args)``.
+
+        ``computed = (small_args, i, outputs, name)``: memory scored right or wrong is scored only for a function
+        that computes something from its inputs, not for a template's arrays returned unfilled. The function is
+        called on ``small_args`` and again with argument ``i`` (named ``name``) doubled; the ``outputs`` (indices)
+        are linear in that argument for any attempt that multiplies by it (attention's O in V; the gradients in
+        dO), so they must double, and must not all be zero.
         """
+        if computed is not None:
+            problem = self._not_computed(fn, *computed)
+            if problem:
+                return self.expect(label, points, False, f"memory not measured: {problem}")
         try:
             if hasattr(fn, "peak_memory"):
                 peak, out = self.call(fn.peak_memory, *_copy(args))
@@ -470,6 +481,30 @@ class Trial:
         msg = f"peak memory {peak / 1e6:.2f} MB, allowed {limit_bytes / 1e6:.2f} MB. {hint}".strip()
         self.parts.append((f"{label} (peak {peak / 1e6:.2f} MB)", points if ok else 0.0, points, "" if ok else msg))
         return ok
+
+    def _not_computed(self, fn: Callable, small_args: tuple, i: int, outputs: tuple[int, ...],
+                      name: str) -> str | None:
+        """Why ``fn`` does not look like a computation (see ``memory``'s ``computed``), or None."""
+        doubled = tuple(2 * a if j == i else a for j, a in enumerate(small_args))
+        try:
+            once, twice = (as_outputs(self.call(fn, *_copy(a))) for a in (small_args, doubled))
+        except (NotImplementedYet, QuestionTimeout):
+            raise
+        except Exception as e:  # noqa: BLE001 - any error of student code: reported, not raised
+            return f"your code raised {_describe_error(e)}"
+        try:
+            picked = [(once[k], twice[k]) for k in outputs]
+        except IndexError:
+            return f"your function returned {len(once)} arrays; expected at least {max(outputs) + 1}"
+        if all(a.shape == b.shape and not np.any(a) for a, b in picked):
+            return ("your function returned only zeros on a small input: that is the template's arrays, not an "
+                    "attempt")
+        if not all(a.shape == b.shape and np.allclose(b, 2 * a, rtol=1e-6, atol=1e-9, equal_nan=True)
+                   for a, b in picked):
+            return (f"doubling {name} did not double what your function returned, as it does for any attempt that "
+                    f"multiplies by {name}: its arrays do not come from its inputs (the template's arrays, left "
+                    "unfilled?)")
+        return None
 
     # -- feedback ---------------------------------------------------------------------------------------------
     @staticmethod

@@ -401,6 +401,7 @@ def _forward_question(t: Trial, student, mutants) -> None:
         (Q, K, V, bq, bk),
         MEMORY_LIMIT,
         shapes=[(n, MEMORY_D), (n,)],
+        computed=(even[1].args, 2, (0,), "V"),
         hint=f"An n x n_keys float64 matrix is {n * n * 8 / 1e6:.1f} MB: build scores one block_q x block_k tile at "
              "a time.",
     )

@@ -240,6 +240,7 @@ def q1(t: Trial, flash_backward) -> None:
         return
     case = _case(t, MEMORY_N, MEMORY_N, MEMORY_D, MEMORY_D, b, b)
     t.memory(label, MEMORY_POINTS, flash_backward, case.args, MEMORY_LIMIT,
+             computed=(cases[0].args, 5, (0, 1, 2), "dO"),
              hint=f"An n x m float64 matrix (P, S or dS) is {MEMORY_N * MEMORY_N * 8 / 1e6:.0f} MB: recompute each "
              "block_q x block_k tile of P from Q, K and L, use it, and let it go.")
 
