@@ -15,6 +15,7 @@ from flashlab.grading import batch, sandbox
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "lab02_tiled_forward.ipynb"
+STUB = ROOT / "labs" / "lab02_tiled_forward.ipynb"
 
 NAIVE = """
 import numpy as np
@@ -51,7 +52,13 @@ def _with_cells(tmp_path: pathlib.Path, name: str, before: str, after: str) -> p
 def test_lab02_memory_is_measured_from_outside_for_a_class_in_one_run(tmp_path):
     if sandbox.sandbox_problem() is not None:
         pytest.skip(f"needs the sandbox: {sandbox.sandbox_problem()}")
-    paths = [SOLUTION, *(_with_cells(tmp_path, name, *cells) for name, cells in CHEATS.items())]
+    # the released lab with every `raise NotImplementedError` line deleted: the template's arrays, unfilled
+    stub = nbformat.read(STUB, as_version=4)
+    for cell in stub.cells:
+        cell.source = "\n".join(x for x in cell.source.splitlines() if "raise NotImplementedError" not in x)
+    nbformat.write(stub, tmp_path / "raise_deleted.ipynb")
+    paths = [SOLUTION, *(_with_cells(tmp_path, name, *cells) for name, cells in CHEATS.items()),
+             tmp_path / "raise_deleted.ipynb"]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert batch.main([*map(str, paths), "--json", "--jobs", "2", "--timeout", "900", "--seed", "4"]) == 0
@@ -64,3 +71,6 @@ def test_lab02_memory_is_measured_from_outside_for_a_class_in_one_run(tmp_path):
         assert "[FAIL] memory" in feedback, (name, feedback)
         assert q2[name]["score"] < honest["max_score"] - 3, (name, q2[name]["score"])  # memory is 4 of 7 points
     assert "MB in memory before the call" in q2["holds_then_frees"]["feedback"]
+    for q in ("q2", "q3"):  # the template's arrays earn nothing, memory included
+        part = {x["name"]: x for x in rows["raise_deleted"]["questions"]}[q]
+        assert part["score"] == 0 and "template" in part["feedback"], part["feedback"]
