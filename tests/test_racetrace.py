@@ -98,6 +98,23 @@ def test_lab05_names_each_classic_kernel_mistake(rng):
             "whole_last_tile": kernel_src.replace("range(min(BLOCK_K, m - k0))", "range(BLOCK_K)"),
             "tile_block_q": kernel_src.replace("shared.array((BLOCK_K, D)", "shared.array((BLOCK_Q, D)"),
         }
+        # the tiles and barriers of the solution, and nothing computed: O left as the launcher filled it, or zeros
+        hollow = [
+            "def make_kernel(BLOCK_Q, BLOCK_K, D, DV):",
+            "    @cuda.jit",
+            "    def kernel(Q, K, V, O, L, n, m, scale, causal):",
+            "        Ks = cuda.shared.array((BLOCK_K, D), float64)",
+            "        Vs = cuda.shared.array((BLOCK_K, DV), float64)",
+            "        t = cuda.threadIdx.x",
+            "        for k0 in range(0, m, BLOCK_K):",
+            "            cuda.syncthreads()",
+            "        ZERO",
+            "    return kernel",
+        ]
+        zeros = ["b = cuda.blockIdx.y", "        i = cuda.blockIdx.x * BLOCK_Q + t", "        if i < n:",
+                 "            for c in range(DV):", "                O[b, i, c] = 0.0", "            L[b, i] = 0.0"]
+        variants["hollow"] = chr(10).join(hollow).replace("ZERO", "pass")
+        variants["hollow_zeros"] = chr(10).join(hollow).replace("ZERO", chr(10).join(zeros))
         out = {}
         for name, src in variants.items():
             assert name == "solution" or src != kernel_src, name
@@ -124,6 +141,9 @@ def test_lab05_names_each_classic_kernel_mistake(rng):
     for name in ("unguarded_load", "whole_last_tile"):
         score, _, feedback = res[name]
         assert score < 6 and ("ragged tile" in feedback), (name, feedback)
+    for name in ("hollow", "hollow_zeros"):
+        score, _, feedback = res[name]
+        assert score == 0 and "structure not credited" in feedback, (name, feedback)
     score, _, feedback = res["tile_block_q"]
     assert score < 6 and "shared tile of the wrong size" in feedback, feedback
     score, _, feedback = res["floor_grid"]

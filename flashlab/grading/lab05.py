@@ -264,9 +264,31 @@ def q1(t: Trial, make_kernel):
     bq, bk, d, dv = 8, 4, 3, 5
     shape_case = _case(t, 1, 11, 9, d, dv, bq, bk)
     try:
-        run(make_kernel, shape_case)
+        first = run(make_kernel, shape_case)
     except Exception:
-        pass
+        first = None
+    # The structure parts pay for a kernel that computes: run again with V doubled; a kernel that multiplies by V
+    # writes a different O (even with a race or a ragged-tile bug: the diagnoses below still need its tiles), one
+    # that only declares tiles and barriers, or writes constants, writes the same one (or nothing: NaN) twice.
+    Q, K, V, _, _ = shape_case.args
+    doubled = Case((Q, K, 2 * V, bq, bk), shape_case.label + ", V doubled")
+    try:
+        second = run(make_kernel, doubled)
+    except Exception:
+        second = None
+    computes = False
+    if first is not None and second is not None:
+        o1, o2 = (np.asarray(x[0], dtype=np.float64) for x in (first, second))
+        if o1.shape == o2.shape:
+            both = np.isfinite(o1) & np.isfinite(o2)
+            computes = bool(np.any(np.abs(o1[both]) > 1e-200)) and not np.array_equal(o1[both], o2[both])
+    if not computes:
+        why = ("structure not credited: your kernel's output does not come from its inputs (on an input with "
+               "V doubled it wrote the same O, or nothing but zeros or NaN): the tile and barrier parts pay for a "
+               "kernel that computes")
+        t.expect("shared tiles are (BLOCK_K, D) and (BLOCK_K, DV), float64", 1, False, why)
+        t.expect("no data races on shared memory", 1, False, why)
+        return None
     record = info.get(shape_case.label, {})
     shapes, dtypes = record.get("shapes", {}), record.get("dtypes", {})
     want = sorted([(bk, d), (bk, dv)])
