@@ -10,7 +10,7 @@ PRESENT_STAMP := $(VENV)/.installed-present-stamp
 
 .PHONY: setup dev lab test test-gpu html slides present release grade lint clean \
         bench-forward bench-ablate bench-peak bench-backward bench-decode bench-memory bench-train bench-ring bench-sparse bench-cpu \
-        profile profile-occupancy sanitize
+        profile profile-occupancy profile-backward sanitize
 
 setup: $(STAMP)
 
@@ -157,6 +157,27 @@ profile-occupancy: setup
 	$(PROFILE) provenance --command "make profile-occupancy" > build/ncu_provenance.json
 	$(call ncu_csv,k_lanes three_blocks,$(LADDER),$(OCCUPANCY_SHAPE),ncu_occupancy_r12.csv)
 	$(call ncu_summary,ncu_occupancy_r12.csv,occupancy_k_lanes_three_blocks)
+
+# The backward kernel "pipe" under ncu (its main kernel only, d = 64 and 128): why its warps stall, per issued
+# instruction, beside the tensor pipe and occupancy; then SDPA's flash backward (its main kernel) at d = 128.
+STALL_REASONS := barrier branch_resolving dispatch_stall drain imc_miss lg_throttle long_scoreboard \
+                 math_pipe_throttle membar mio_throttle misc no_instruction not_selected selected short_scoreboard \
+                 sleeping tex_throttle wait
+empty :=
+space := $(empty) $(empty)
+comma := ,
+STALLS := --metrics $(subst $(space),$(comma),$(foreach r,$(STALL_REASONS),smsp__average_warps_issue_stalled_$(r)_per_issue_active.ratio)),$\
+smsp__inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,$\
+sm__warps_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum
+profile-backward: setup
+	mkdir -p build data/raw/ncu
+	$(PROFILE) provenance --command "make profile-backward" > build/ncu_provenance.json
+	for d in 64 128; do $(NCU) -k regex:bwd_pipe $(STALLS) $(PROFILE) --pass backward --impl pipe --d $$d --n 4096 \
+	    --batch 4 || exit 1; done > data/raw/ncu/ncu_bwd_pipe.csv
+	$(NCU) -k regex:flash_bwd_dq_dk_dv $(STALLS) $(PROFILE) --pass backward --impl sdpa_flash --d 128 --n 4096 \
+	    --batch 4 > data/raw/ncu/ncu_bwd_sdpa.csv
+	$(call ncu_summary,ncu_bwd_pipe.csv,stalls_bwd_pipe)
+	$(call ncu_summary,ncu_bwd_sdpa.csv,stalls_bwd_sdpa_flash)
 
 # Every kernel once at ragged shapes under compute-sanitizer; fails on any memory error or race.
 sanitize: setup

@@ -86,7 +86,38 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--causal", action="store_true")
+    p.add_argument("--pass", dest="which", choices=("forward", "backward"), default="forward",
+                   help="backward: the gradients of one call (the course's backward kernel IMPL, e.g. pipe, or "
+                        "sdpa_flash), the forward outputs made before the profiled range")
     return p
+
+
+def _backward_run(args: argparse.Namespace, q, k, v, rng):
+    """One backward call of ``args.impl`` ("sdpa_flash" or a backward kernel of flashlab.gpu), ready to profile."""
+    import cupy as cp
+
+    do = rng.standard_normal(q.shape, dtype=cp.float32).astype(cp.float16)
+    if args.impl == "sdpa_flash":
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        tq, tk, tv = (torch.from_dlpack(x).requires_grad_() for x in (q, k, v))
+        tdo = torch.from_dlpack(do)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=args.causal)
+
+        def run():
+            return torch.autograd.grad(out, (tq, tk, tv), tdo, retain_graph=True)
+
+        return run
+    from ..gpu import attention, attention_backward
+
+    o, lse = attention(q, k, v, causal=args.causal)
+
+    def run():
+        return attention_backward(q, k, v, o, lse, do, causal=args.causal, kernel=args.impl)
+
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     rng = cp.random.default_rng(3)
     shape = (args.batch, args.heads, args.n, args.d)
     q, k, v = (rng.standard_normal(shape, dtype=cp.float32).astype(cp.float16) for _ in range(3))
-    if args.impl == "cupy_naive":
+    if args.which == "backward":
+        run = _backward_run(args, q, k, v, rng)
+    elif args.impl == "cupy_naive":
         def run():
             return naive_attention(q, k, v, causal=args.causal)
     elif args.impl == "sdpa_flash":
@@ -137,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     run()
     cp.cuda.Device().synchronize()
     cp.cuda.profiler.stop()
-    print(f"profiled {args.impl} shape={shape} causal={args.causal}")
+    which = " backward" if args.which == "backward" else ""
+    print(f"profiled {args.impl} shape={shape} causal={args.causal}{which}")
     return 0
 
