@@ -172,8 +172,10 @@ sm__warps_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum
 profile-backward: setup
 	mkdir -p build data/raw/ncu
 	$(PROFILE) provenance --command "make profile-backward" > build/ncu_provenance.json
-	for d in 64 128; do $(NCU) -k regex:bwd_pipe $(STALLS) $(PROFILE) --pass backward --impl pipe --d $$d --n 4096 \
-	    --batch 4 || exit 1; done > data/raw/ncu/ncu_bwd_pipe.csv
+	$(NCU) -k regex:bwd_pipe $(STALLS) $(PROFILE) --pass backward --impl pipe --d 64 --n 4096 --batch 4 \
+	    > data/raw/ncu/ncu_bwd_pipe.csv
+	$(NCU) -k regex:bwd_pipe $(STALLS) $(PROFILE) --pass backward --impl pipe --d 128 --n 4096 --batch 4 \
+	    >> data/raw/ncu/ncu_bwd_pipe.csv
 	$(NCU) -k regex:flash_bwd_dq_dk_dv $(STALLS) $(PROFILE) --pass backward --impl sdpa_flash --d 128 --n 4096 \
 	    --batch 4 > data/raw/ncu/ncu_bwd_sdpa.csv
 	$(call ncu_summary,ncu_bwd_pipe.csv,stalls_bwd_pipe)
