@@ -159,8 +159,8 @@ def default_num_splits(batch: int, kv_heads: int, row_chunks: int, m: int, sm_co
     second wave; but no split under MIN_KEYS_PER_SPLIT keys, and at least one.
 
     FlashDecoding's idea, not its exact rule. One wave rather than more: a block streams its keys at the speed the
-    SM's share of DRAM allows, so a second wave only adds a tail (the decode benchmark's split sweep, in
-    data/ch8/decode.json and data/ch8/decode_gqa.json, shows it).
+    SM's share of DRAM allows, and every split adds a block's start, its reduction and partial, and a partial to
+    merge (the decode benchmark's split sweeps, in data/ch8/decode.json and data/ch8/decode_gqa.json, show it).
     """
     blocks = batch * kv_heads * row_chunks
     want = blocks_per_sm * sm_count // blocks

@@ -22,7 +22,8 @@
 //
 // Grid: (row_chunks, num_splits, B * Hk), NW warps. Row chunks of one K/V head are neighbours in the launch
 // order, so when a group has more than R rows the chunks read the same keys at about the same time (L2 hits).
-// Layout and arguments as decode_split_* in decode_r1_split.cu. Needs sm_80 (bf16 conversion).
+// Layout and arguments as decode_split_* in decode_r1_split.cu. Builds for sm_75 and newer: plain CUDA, bf16 read
+// by shifting its bits (flashlab.gpu.decoding.MIN_CC).
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 #define NW 4

@@ -5,10 +5,10 @@
 // tile (exponentials, maxima, shuffles) its tensor cores idle unless another warp has an mma ready, and at d = 64
 // the softmax is a large share of a tile's time beside its mma: more warps per SM hide more of it. Three blocks need
 // <= 170 registers a thread (168: registers are given out in eights), asked of ptxas by
-// __launch_bounds__(128, 3). Given rung 11's loop it finds them by spilling 48 bytes to local memory.
+// __launch_bounds__(128, 3). Given rung 11's loop it finds them with 48 bytes of spill stores to local memory.
 // The two parts, each ablated with nvcc 13 (ptxas -v at 168 registers, d = 64):
 //   1. P packed to 16 bits as soon as it is computed (rung 11 packed it just before P V): the tile's 32-bit
-//      exponentials die at once. Alone: no spill on sm_80 and sm_86, 12 bytes on sm_90.
+//      exponentials die at once. Alone: no spill on sm_80 and sm_86, 12 bytes of spill stores on sm_90.
 //   2. The four row sums l of the thread's rows in shared memory, read and written once per tile, in a layout
 //      where a warp touches 32 consecutive words, one per bank (element [mt][e][thread]),
 //      2 KB per block. Alone (P packed late): 4 bytes of spill on sm_80 and sm_86, 16 on sm_90.
