@@ -51,8 +51,8 @@ KNOWN_VARIANTS: tuple[KnownVariant, ...] = (
     KnownVariant(
         helpers=("F16::mma", "BF16::mma"),
         groups=(("r3_mma", "r4_ldmatrix", "r5_cp_async", "r6_exp2_tiles"),
-                ("r7_warp32", "r8_lean_softmax", "r9_addressing", "r10_one_barrier", "r11_k_lanes", "bwd_r2_mma",
-                 "bwd_r3_pipelined", "sparse_r9_window")),
+                ("r7_warp32", "r8_lean_softmax", "r9_addressing", "r10_one_barrier", "r11_k_lanes", "r12_three_blocks",
+                 "bwd_r2_mma", "bwd_r3_pipelined", "sparse_r9_window")),
         why="`asm volatile` in rungs 3-6, plain `asm` from rung 7 on (rung 7 was written without it; the files "
             "written after it followed). volatile forbids the compiler to delete the statement (an mma's outputs "
             "are always used, so there is nothing to delete) or to move it across other volatile asm (ldmatrix, "
