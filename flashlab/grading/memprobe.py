@@ -48,8 +48,10 @@ from .remote import read_message, read_untrusted, write_message
 MAX_HELD = 64_000_000
 #: Seconds between samples of the sandbox's memory.
 SAMPLE_EVERY = 0.002
-#: Seconds between rescans of the sandbox's process tree (new processes between rescans are found at the next).
-RESCAN_EVERY = 0.02
+#: Seconds between rescans of the sandbox's process tree: every sample. A child that does the work and exits lives
+#: a few tens of milliseconds, which a rescan every 20 ms missed on a loaded machine; a rescan reads /proc in about
+#: a millisecond.
+RESCAN_EVERY = SAMPLE_EVERY
 
 
 def _status_kib(pid: int, keys: tuple[bytes, ...]) -> dict[bytes, int] | None:
