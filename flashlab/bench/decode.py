@@ -78,7 +78,7 @@ def _decode_one(args, m: int, rows: list[dict], rng) -> None:
             return fgpu.decode(q, k, v, num_splits=splits, kernel=kern, out=out, workspace=workspace)
 
         # the split count decode chose (the default comes from the kernel's occupancy on this GPU)
-        used = splits or int(fgpu.decode(q, k, v, kernel=kern, return_partials=True)[2].shape[-2])
+        used = splits or decoding.default_splits_here(q.shape, k.shape, d, kern)
         _time(args, rows, {**base, "impl": name, "kernel": kern, "num_splits": used}, fn, "cupy",
               lambda fn=fn: fn()[0], ref, read_once_ms)
     try:

@@ -58,8 +58,8 @@ MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs (launch share, merg
 # minimum per R): the default split count fills the GPU with one wave of them. On a GPU, decode asks the driver
 # for the compiled kernel's real number instead (``resident_blocks``); these are what the CPU-side planning and
 # chapter 8 assume.
-BLOCKS_PER_SM = {"rows": 4, "keys": 5}
-KEYS_BLOCKS_PER_SM = {1: 5, 2: 4, 4: 4, 8: 2}
+BLOCKS_PER_SM = {"rows": 4}
+KEYS_BLOCKS_PER_SM = {1: 5, 2: 4, 4: 4, 8: 2}  # the "keys" kernel, by query rows per block (R)
 FILES = {"keys": KEYS_FILE, "rows": KERNEL_FILE}
 THREADS = 128  # threads per block of both split kernels
 MIN_CC = 75  # plain CUDA (bf16 stored by hand below sm_80); static shared memory only (< 48 KB)
@@ -206,6 +206,17 @@ def resident_blocks(kern, built_for: int) -> int:
     return got
 
 
+def default_splits_here(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], d: int, kernel: str = KERNELS[0],
+                        dt: str = "f16") -> int:
+    """The split count ``decode`` takes on this GPU when none is given, for 4-D q and K/V cache shapes: one wave of
+    the compiled split kernel's blocks, as the driver counts them (``resident_blocks``)."""
+    B, H, n, _ = q_shape
+    Hk, m = kv_shape[1], kv_shape[2]
+    rows = block_rows(kernel, H // Hk * n)
+    resident = resident_blocks(_kernels(dt, d, kernel, rows)[0], built_blocks_per_sm(kernel, rows))
+    return resolve_num_splits(B, H, Hk, n, m, None, sm_count(), kernel, resident)
+
+
 def built_blocks_per_sm(kernel: str, rows: int) -> int:
     """Blocks per SM a split kernel of ``rows`` query rows per block is built for (as on sm_90)."""
     return KEYS_BLOCKS_PER_SM[rows] if kernel == "keys" else BLOCKS_PER_SM[kernel]
@@ -286,8 +297,7 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
         raise ValueError(f"batch x heads_kv must be at most 65535; got {B * Hk}")
     split, merge = _kernels(dt, d, kernel, rows)
     if num_splits is None:
-        resident = resident_blocks(split, built_blocks_per_sm(kernel, rows))
-        num_splits = resolve_num_splits(B, H, Hk, n, m, None, sm_count(), kernel, resident)
+        num_splits = default_splits_here(q4.shape, k4.shape, d, kernel, dt)
     if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
         raise TypeError(f"num_splits must be an int or None; got {num_splits!r}")
     if not 1 <= num_splits <= 65535:
