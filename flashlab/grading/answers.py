@@ -50,6 +50,8 @@ import threading
 import types
 from typing import Any, Iterator, Sequence
 
+from . import astguard
+
 PACKAGE = "flashlab"
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[1]
 
@@ -260,10 +262,8 @@ def _stub(name: str, indent: str) -> list[str]:
             f"{indent}raise AnswerCalled({name!r})  # the course's answer is not part of this copy\n"]
 
 
-#: Held around ``ast`` work in the grader's threads (batch grading runs submissions in parallel threads):
-#: CPython 3.11's AST conversion keeps a process-wide recursion count, and two threads at once corrupt it
-#: ("SystemError: AST constructor recursion depth mismatch").
-AST_LOCK = threading.RLock()
+#: Held around ``ast`` work in the grader's threads: see :mod:`flashlab.grading.astguard`.
+AST_LOCK = astguard.LOCK
 
 
 def _strip_functions(source: str, targets: dict[str, str], where: str) -> str:

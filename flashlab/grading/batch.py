@@ -84,7 +84,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import numba_cuda
-from . import answers, core, kernelcheck, memprobe, remote, report, sandbox
+from . import answers, astguard, core, kernelcheck, memprobe, remote, report, sandbox
 from .core import BATCH_ENV, available_labs, get_lab, new_seed
 from .remote import read_untrusted
 
@@ -640,6 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--worker"]:
         notebook, requests, lab_id, timeout, mode, seed = argv[1:7]
         return _worker(notebook, requests, lab_id, float(timeout), mode, seed)
+    astguard.install()  # submissions are graded in threads, and each parses Python: one parse at a time
     parser = argparse.ArgumentParser(prog="python -m flashlab grade", description="grade lab submissions")
     parser.add_argument("paths", nargs="+", help="notebooks, or directories holding them")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds per submission (300)")
