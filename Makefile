@@ -9,7 +9,7 @@ DEV_STAMP := $(VENV)/.installed-dev-stamp
 PRESENT_STAMP := $(VENV)/.installed-present-stamp
 
 .PHONY: setup dev lab test test-gpu html slides present release grade lint clean \
-        bench-forward bench-ablate bench-peak bench-backward bench-decode bench-memory bench-train bench-ring bench-sparse bench-cpu \
+        bench-forward bench-ablate bench-peak bench-hopper bench-backward bench-decode bench-memory bench-train bench-ring bench-sparse bench-cpu \
         profile profile-occupancy profile-backward sanitize
 
 setup: $(STAMP)
@@ -90,6 +90,13 @@ bench-ablate: setup
 # The tensor-core ceiling of mma.sync that chapter 7 sets each rung against.
 bench-peak: setup
 	$(BENCH) peak
+
+# Hopper (H100, H200 only): the wgmma ceiling beside mma.sync's, and the wgmma rungs against the best mma.sync rungs
+# and SDPA's two backends, in one run each.
+bench-hopper: setup
+	$(BENCH) peak --name peak_hopper --impls wgmma mma_sync --warps 4 8 12 16
+	$(BENCH) forward --name hopper --impls wgmma three_blocks k_lanes sdpa_flash sdpa_cudnn --d 64 128 \
+	    --n 1024 4096 16384 --causal both --dtypes float16 bfloat16 --repeat 20 --warmup 3
 
 bench-decode: setup
 	$(BENCH) decode --m 65536 --splits 4 16 20 41 64 128 256 --repeat 20 --warmup 3

@@ -36,7 +36,8 @@ def parser() -> argparse.ArgumentParser:
 
     p = record_parser("forward", __doc__.splitlines()[0], name="ladder", out=OUT_DIR)
     p.add_argument("--impls", nargs="+", default=list(fgpu.RUNGS) + list(REFERENCES),
-                   help=f"rungs {list(fgpu.RUNGS)} and/or references {list(REFERENCES)}")
+                   help=f"rungs {list(fgpu.RUNGS)}, Hopper rungs {list(fgpu.HOPPER_RUNGS)} (sm_90 only) and/or "
+                        f"references {list(REFERENCES)}")
     p.add_argument("--d", nargs="+", type=int, default=[64, 128], help="head dimensions")
     p.add_argument("--n", nargs="+", type=int, default=[4096, 16384], help="sequence lengths")
     p.add_argument("--causal", choices=("no", "yes", "both"), default="both")
@@ -58,7 +59,7 @@ def _impl(name: str, arrays: list, causal: bool):
 
     q, k, v = arrays
     bf16 = q.dtype == cp.uint16  # bfloat16 bit patterns (run_grid's --dtypes bfloat16)
-    if name in fgpu.RUNGS:
+    if name in fgpu.RUNGS or name in fgpu.HOPPER_RUNGS:
         o = cp.empty_like(q)
         lse = cp.empty(q.shape[:-1], cp.float32)
 

@@ -114,6 +114,24 @@ RUNGS: dict[str, Rung] = {
              "Turing: two mma.sync m16n8k8 per k16 step, ldmatrix, K/V prefetched through registers, 16 KB shared"),
     )
 }
+# Hopper's rungs (kernels/hopper/, chapter 11): warpgroup MMAs, built for sm_90a, so they run on compute
+# capability 9.0 only (H100, H200), never on older or newer GPUs. Named by kernel=; "best" does not take them yet.
+HOPPER_RUNGS = {
+    "wgmma": Rung("wgmma", "hopper/h1_wgmma.cu", 64, 128, ("f16", "bf16"), 90,
+                  (((64 + 4 * 128) * 64 * 2 + 1024) // 64, ((64 + 4 * 64) * 128 * 2 + 1024) // 128),
+                  "wgmma: a warpgroup of 4 warps owns 64 rows; Q, K and V read by the tensor cores from shared memory"),
+}
+
+
+def hopper_problem(lim: DeviceLimits | None = None) -> str | None:
+    """Why this GPU (or ``lim``) cannot run the sm_90a kernels of ``kernels/hopper/`` (None: it can)."""
+    cc = (lim or device_limits()).cc
+    if cc != 90:
+        return (f"the Hopper kernels are built for sm_90a (wgmma), which only compute capability 9.0 runs; "
+                f"this GPU is sm_{cc}")
+    return None
+
+
 # The fastest rung per (dtype, d), by flashlab.bench.forward.fastest_rung over data/benchmarks/r12_probe.json (rungs 11
 # and 12 and SDPA in one run, fp16 and bf16, both protocols): rung 12 at d = 64 (about 10 % faster), rung 11 at
 # d = 128, where the two are within 1 % (there rung 12 differs from rung 11 only in packing P early). Rung 11 was
@@ -408,6 +426,10 @@ def choose(op: str, candidates: dict[str, Any], problem: Callable[[str, Any, boo
 def _module(file: str, defines: tuple[str, ...]):
     # Read once per process: a call must not touch the file system. An edited .cu takes effect in a new process
     # (CuPy's compile cache keys on the source text, so it then recompiles).
+    if file.startswith("hopper/"):  # sm_90a, which RawModule(code=...) cannot target
+        from . import hopper
+
+        return hopper.module(file, defines)
     return _cupy().RawModule(code=(KERNEL_DIR / file).read_text(), options=("--std=c++17", *defines))
 
 
@@ -548,6 +570,8 @@ def forward_problem(rung: Rung, dt: str, d: int, positive_scale: bool, lim: Devi
     (kernel="best" avoids it; a kernel asked for by name runs, spills and all)."""
     if dt not in rung.dtypes:
         return f"supports {', '.join(rung.dtypes)}, not {dt}"
+    if rung.file.startswith("hopper/") and (problem := hopper_problem(lim)):  # not "sm_90 or newer": sm_90 only
+        return problem
     problem = launch_problem(f" at d = {d}", min_cc=rung.min_cc, shared_bytes=rung.shared_bytes(d),
                              threads=rung.threads, lim=lim)
     if problem is None and avoid_spills and compiled_arch(lim.cc) in SPILLS.get((rung.file, rung.defines, d), ()):
@@ -565,11 +589,12 @@ def forward_problem(rung: Rung, dt: str, d: int, positive_scale: bool, lim: Devi
 @functools.lru_cache(maxsize=256)
 def _forward_plan(dt: str, d: int, positive_scale: bool, kernel: str | Rung, lim: DeviceLimits) -> Plan:
     """``plan``'s decision, cached per (dtype, d, sign of the scale, request, device): a call costs one lookup."""
-    if isinstance(kernel, Rung):
+    if isinstance(kernel, Rung) or kernel in HOPPER_RUNGS:
+        kernel = HOPPER_RUNGS.get(kernel, kernel)
         candidates, requested = {kernel.name: kernel}, kernel.name
     else:
         if kernel != "best" and kernel not in RUNGS:
-            raise ValueError(f"unknown kernel {kernel!r}; choose 'best' or one of {sorted(RUNGS)}")
+            raise ValueError(f"unknown kernel {kernel!r}; choose 'best' or one of {sorted([*RUNGS, *HOPPER_RUNGS])}")
         order = dict.fromkeys((BEST[(dt, d)], *LADDER_ORDER))
         candidates, requested = {name: RUNGS.get(name) or PLANNED_VARIANTS[name] for name in order}, kernel
     name, rung, passed = choose("forward", candidates,

@@ -37,15 +37,26 @@ def forward(names: list[str] | None = None) -> int:
     attention in fp32 on the same rounded inputs. Returns the number of failures."""
     import cupy as cp
 
-    from . import HEAD_DIMS, RUNGS, attention, device_limits, forward_problem, from_bf16, naive_attention, to_bf16
+    from . import (
+        HEAD_DIMS,
+        HOPPER_RUNGS,
+        RUNGS,
+        attention,
+        device_limits,
+        forward_problem,
+        from_bf16,
+        naive_attention,
+        to_bf16,
+    )
 
-    names = names or list(RUNGS)
+    rungs = {**RUNGS, **HOPPER_RUNGS}  # the Hopper rungs report themselves skipped off sm_90
+    names = names or list(rungs)
     rng = cp.random.default_rng(2)
     bad = 0
     for name in names:
-        for dt in RUNGS[name].dtypes:
+        for dt in rungs[name].dtypes:
             for d in HEAD_DIMS:
-                why = forward_problem(RUNGS[name], dt, d, True, device_limits(), avoid_spills=False)
+                why = forward_problem(rungs[name], dt, d, True, device_limits(), avoid_spills=False)
                 if why is not None:  # asked for by name, so a spill is no reason to skip it
                     print(f"{name:<12} {dt:<4} d={d:<4} skipped: {why}", flush=True)
                     continue

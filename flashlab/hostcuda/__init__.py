@@ -206,6 +206,8 @@ class Kernel:
                 values.append(ctypes.c_void_p(a.ctypes.data))
             elif isinstance(a, np.int32):
                 values.append(ctypes.c_int(int(a)))
+            elif isinstance(a, np.uint32):
+                values.append(ctypes.c_uint(int(a)))
             elif isinstance(a, np.float32):
                 values.append(ctypes.c_float(float(a)))
             elif isinstance(a, np.int64):

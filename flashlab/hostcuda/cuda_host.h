@@ -62,6 +62,7 @@ inline void __threadfence() {}
 constexpr int warpSize = 32;
 inline std::barrier<>* g_block_bar;
 inline std::vector<std::unique_ptr<std::barrier<>>> g_warp_bar;
+inline std::vector<std::unique_ptr<std::barrier<>>> g_wg_bar;  // one per warpgroup (4 warps): Hopper's wgmma
 inline float g_shfl[32][32];
 [[noreturn]] inline void hostcuda_needs_threads(const char* what) {
     std::fprintf(stderr, "%s: this kernel was launched one thread after another (HOSTCUDA_SERIAL), where threads "
@@ -220,15 +221,96 @@ inline void hostcuda_mma_m16n8k8(float& d0, float& d1, float& d2, float& d3, uns
     hostcuda_mma_m16n8k16<f16_val>(d0, d1, d2, d3, a0, a1, 0u, 0u, b0, 0u, c0, c1, c2, c3);
 }
 
+// --- Hopper's warpgroup MMA (kernels/hopper/wgmma.cuh), synchronous here: the instruction is done when the call
+// returns, so fences, commits and waits have nothing to do. Operands in shared memory are read through their
+// descriptors with the 128-byte swizzle as the hardware applies it, to the address: bits 4-6 ^= bits 7-9.
+typedef unsigned long long u64;
+inline unsigned smem_u32(const void* p) { return smem_addr(p); }
+inline void wgmma_fence() {}
+inline void wgmma_commit() {}
+template <int N>
+inline void wgmma_wait() {}
+template <int NREG>
+inline void pin(float*) {}
+inline void fence_to_tensor_cores() {}
+inline unsigned g_wg_a[8][128][4];  // the A fragments of each warpgroup's threads (register-A wgmma)
+inline void warpgroup_sync() {
+    if (g_wg_bar.empty()) hostcuda_needs_threads("a warpgroup operation (wgmma)");
+    g_wg_bar[threadIdx.x / 128]->arrive_and_wait();
+}
+struct WgmmaDesc {
+    unsigned start, leading, stride;
+    explicit WgmmaDesc(u64 d)
+        : start((unsigned)(d & 0x3fffu) << 4), leading((unsigned)((d >> 16) & 0x3fffu) << 4),
+          stride((unsigned)((d >> 32) & 0x3fffu) << 4) {
+        if ((d >> 62) != 1) { std::fprintf(stderr, "hostcuda: only the 128-byte swizzle is emulated\n"); std::abort(); }
+    }
+    static std::uint16_t at(unsigned addr) {
+        addr ^= ((addr >> 7) & 7u) << 4;
+        std::uint16_t x; std::memcpy(&x, smem_ptr(addr), 2);
+        return x;
+    }
+    // K-major: element (row r, k) of a 16-wide k slice; the next 8 rows are `stride` bytes on
+    std::uint16_t kmajor(int r, int k) const { return at(start + (r / 8) * stride + (r % 8) * 128 + 2 * k); }
+    // MN-major (transposed B): element (k, column c); the next 8 k are `stride` on, the next 64 columns `leading`
+    std::uint16_t mnmajor(int k, int c) const {
+        return at(start + (c / 64) * leading + (k / 8) * stride + (k % 8) * 128 + 2 * (c % 64));
+    }
+};
+template <int N>
+struct Wgmma {
+    // d (64 x N) = A B^T (+ d): A (64 x 16) and B (N x 16) K-major in shared memory
+    template <bool BF16>
+    static void ss(float* d, u64 da, u64 db, int scale_d) {
+        const WgmmaDesc A(da), B(db);
+        const int w = (threadIdx.x % 128) / 32, l = threadIdx.x % 32, g = l / 4, t = l % 4;
+        for (int j = 0; j < N / 8; ++j)
+            for (int e = 0; e < 4; ++e) {
+                const int row = 16 * w + g + 8 * (e / 2), col = 8 * j + 2 * t + e % 2;
+                float x = scale_d ? d[4 * j + e] : 0.f;
+                for (int k = 0; k < 16; ++k) x += val<BF16>(A.kmajor(row, k)) * val<BF16>(B.kmajor(col, k));
+                d[4 * j + e] = x;
+            }
+    }
+    // d = A B (+ d): A (64 x 16) from the warpgroup's registers (mma.sync's A layout per warp), B (16 x N)
+    // MN-major in shared memory
+    template <bool BF16>
+    static void rs(float* d, const unsigned* a, u64 db, int scale_d) {
+        const WgmmaDesc B(db);
+        const int wg = threadIdx.x / 128, me = threadIdx.x % 128;
+        const int w = me / 32, l = me % 32, g = l / 4, t = l % 4;
+        for (int i = 0; i < 4; ++i) g_wg_a[wg][me][i] = a[i];
+        warpgroup_sync();
+        auto A = [&](int row, int k) {
+            const unsigned x = g_wg_a[wg][32 * (row / 16) + 4 * (row % 8) + (k % 8) / 2][(row % 16 >= 8) + 2 * (k >= 8)];
+            return val<BF16>((std::uint16_t)(k % 2 ? x >> 16 : x & 0xffffu));
+        };
+        float out[N / 2];
+        for (int j = 0; j < N / 8; ++j)
+            for (int e = 0; e < 4; ++e) {
+                const int row = 16 * w + g + 8 * (e / 2), col = 8 * j + 2 * t + e % 2;
+                float x = scale_d ? d[4 * j + e] : 0.f;
+                for (int k = 0; k < 16; ++k) x += A(row, k) * val<BF16>(B.mnmajor(k, col));
+                out[4 * j + e] = x;
+            }
+        warpgroup_sync();
+        for (int i = 0; i < N / 2; ++i) d[i] = out[i];
+    }
+    template <bool BF16>
+    static float val(std::uint16_t x) { return BF16 ? bf16_val(x) : f16_val(x); }
+};
+
 // Host versions of the kernel files' conversion structs, whose PTX bodies (cvt, mma.sync) cannot run here: the
 // emulation replaces each file's `struct F16 { ... };` and `struct BF16 { ... };` by `using F16 = HostF16;` etc.
 struct HostF16 {
+    static constexpr bool bf16 = false;
     static inline float load(std::uint16_t x) { return f16_val(x); }
     static inline std::uint16_t store(float f) { return f16_bits(f); }
     static inline unsigned pack(float lo, float hi) { return f16_bits(lo) | ((unsigned)f16_bits(hi) << 16); }
     static inline void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) { mma_emul<f16_val>(c, a, b0, b1); }
 };
 struct HostBF16 {
+    static constexpr bool bf16 = true;
     static inline float load(std::uint16_t x) { return bf16_val(x); }
     static inline std::uint16_t store(float f) { return bf16_bits(f); }
     static inline unsigned pack(float lo, float hi) { return bf16_bits(lo) | ((unsigned)bf16_bits(hi) << 16); }
@@ -259,6 +341,9 @@ void launch(void (*k)(A...), unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                 g_block_bar = &bar;
                 g_warp_bar.clear();
                 for (unsigned w = 0; w < (bx + 31) / 32; ++w) g_warp_bar.emplace_back(new std::barrier<>(32));
+                g_wg_bar.clear();
+                for (unsigned w = 0; w < (bx + 127) / 128; ++w)
+                    g_wg_bar.emplace_back(new std::barrier<>(std::min(128u, bx - 128 * w)));
                 std::vector<std::thread> ts;
                 for (unsigned t = 0; t < bx; ++t)
                     ts.emplace_back([=] {
@@ -267,6 +352,7 @@ void launch(void (*k)(A...), unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                         // An exited thread no longer holds back a barrier, as on the GPU.
                         g_block_bar->arrive_and_drop();
                         g_warp_bar[t / 32]->arrive_and_drop();
+                        g_wg_bar[t / 128]->arrive_and_drop();
                     });
                 for (auto& th : ts) th.join();
 #endif

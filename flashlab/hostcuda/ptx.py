@@ -26,11 +26,15 @@ import re
 # HostF16 and BF16 by HostBF16.
 HOST_TYPES = ("F16", "BF16")
 # Device helpers whose bodies are inline PTX: removed, the header's host versions (same names) stand in.
-PTX_HELPERS = ("ex2", "smem_addr", "ldsm_x4", "ldsm_x4_t", "cp_async16", "cp_async_commit", "cp_async_wait")
+PTX_HELPERS = ("ex2", "smem_addr", "ldsm_x4", "ldsm_x4_t", "cp_async16", "cp_async_commit", "cp_async_wait",
+               # kernels/hopper/wgmma.cuh: its wgmma structs (HOPPER_STRUCTS) go too, cuda_host.h emulates them
+               "smem_u32", "wgmma_fence", "wgmma_commit", "wgmma_wait", "pin", "fence_to_tensor_cores")
+HOPPER_STRUCTS = (re.compile(r"template <>\s*struct Wgmma<\d+> \{"), re.compile(r"template <int N>\s*struct Wgmma;"))
 ASM_REWRITES = [
     (r'asm volatile\("mov\.u32 %0, %1;" : "=r"\((\w+)\) : "r"\((\w+)\)\);', r"\1 = \2;"),
     (r'asm volatile\("mov\.u32 %0, %%ctaid\.([xyz]);" : "=r"\((\w+)\)\);', r"\2 = blockIdx.\1;"),
     (r"extern __shared__ __align__\(16\) u16 smem\[\];", "u16* smem = (u16*)g_arena;"),
+    (r"extern __shared__ __align__\(16\) unsigned char (\w+)\[\];", r"unsigned char* \1 = g_arena;"),
 ]
 #: The instructions an inline ``asm`` statement may hold, in words (for messages).
 KNOWN = ("ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16, mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
@@ -246,12 +250,18 @@ def host_source(cu_text: str) -> str:
         m = re.search(rf"__device__ __forceinline__ \w+ {name}\(", src)
         if m:
             a, b = _definition_span(src, m.start())
-            if src[:a].rstrip().endswith("template <int N>"):  # keep no template shell around a removed body
-                a = src[:a].rstrip().rindex("template <int N>")
+            shell = re.search(r"template <int \w+>\s*$", src[:a])
+            if shell:  # keep no template shell around a removed body
+                a = shell.start()
+            src = src[:a] + src[b:]
+    for pattern in HOPPER_STRUCTS:
+        while (m := pattern.search(src)) is not None:
+            a, b = (m.start(), m.end()) if m.group(0).endswith(";") else _definition_span(src, m.start())
             src = src[:a] + src[b:]
     for pattern, repl in ASM_REWRITES:
         src = re.sub(pattern, repl, src)
     return rewrite_asm(src)
 
 
-__all__ = ["ASM_REWRITES", "HOST_TYPES", "KNOWN", "PTX_HELPERS", "UnknownPTX", "host_source", "rewrite_asm"]
+__all__ = ["ASM_REWRITES", "HOPPER_STRUCTS", "HOST_TYPES", "KNOWN", "PTX_HELPERS", "UnknownPTX", "host_source",
+           "rewrite_asm"]

@@ -4,7 +4,9 @@
 backward and decoding tests) with the kernels compiled by the host C++ compiler instead of NVRTC, behind a NumPy
 stand-in for CuPy. ``--selfcheck [--quick]`` runs ``python -m flashlab selfcheck backward-decode`` the same way;
 ``--forward-check`` runs the forward ladder's rung 9 (proven on an H200) against float64, which checks the emulation
-itself; ``--sparse`` runs the block-sparse kernel's GPU tests (``tests/test_gpu_sparse.py``).
+itself; ``--sparse`` runs the block-sparse kernel's GPU tests (``tests/test_gpu_sparse.py``); ``--hopper`` the Hopper
+kernels' (``tests/test_gpu_hopper.py``), whose wgmma the header emulates from the PTX ISA's layouts (accumulators,
+A fragments, the descriptors' 128-byte swizzle): a check of the kernels' own logic, not of that reading of the ISA.
 
 How: each ``.cu`` is compiled with g++ (C++20) by :mod:`flashlab.hostcuda`, whose ``cuda_host.h`` maps CUDA to the
 host. The kernels (and that package) of this checkout are the ones run, whatever ``flashlab`` is installed. A thread
@@ -147,6 +149,9 @@ def install(real_forward: bool = False) -> None:
 
     cp = fake_cupy()
     sys.modules["cupy"] = cp
+    from flashlab.gpu import hopper  # the sm_90a files: one text, compiled like the others (no NVRTC here)
+
+    hopper.module = lambda file, defines=(): _RawModule(hopper.inlined_source(file), defines)
     if real_forward:
         return
 
@@ -194,10 +199,12 @@ def forward_check() -> int:
 def main(argv: list[str] | None = None) -> int:
     """Install the emulation, then run pytest -m gpu on the chapter-8 tests (or a check; see the docstring)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    real = "--real-forward" in argv or "--forward-check" in argv or "--sparse" in argv
+    real = "--real-forward" in argv or "--forward-check" in argv or "--sparse" in argv or "--hopper" in argv
     argv = [a for a in argv if a != "--real-forward"]
     if argv[:1] == ["--sparse"]:  # the block-sparse kernel's gpu tests (any further pytest arguments follow)
         argv = [str(ROOT / "tests" / "test_gpu_sparse.py"), *argv[1:]]
+    if argv[:1] == ["--hopper"]:  # the sm_90a kernels' gpu tests: wgmma emulated with the documented layouts
+        argv = [str(ROOT / "tests" / "test_gpu_hopper.py"), *argv[1:]]
     install(real_forward=real)
     if argv[:1] == ["--forward-check"]:
         return forward_check()

@@ -1,0 +1,106 @@
+"""The Hopper kernels (kernels/hopper/, sm_90a): the two wgmma forms against NumPy, the peak kernel, and the wgmma
+rung of the forward against the float64 reference by the project's rule (CONTRIBUTING.md, Correctness).
+
+The compilations (registers, spills, ptxas's notes) are checked without a GPU in tests/test_hopper_compile.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashlab.gpu as fgpu
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _needs_sm90():
+    problem = fgpu.hopper_problem()
+    if problem:
+        pytest.skip(problem)
+
+
+def _bits(x: np.ndarray, dt: str) -> np.ndarray:
+    """16-bit patterns of x (already representable in dt)."""
+    if dt == "f16":
+        return x.astype(np.float16).view(np.uint16)
+    return (np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+@pytest.mark.parametrize("form", ["ss", "rs"])
+@pytest.mark.parametrize("k,n", [(64, 128), (128, 64), (128, 128), (64, 64)])
+def test_each_wgmma_form_computes_the_product(rng, dt, form, k, n):
+    import cupy as cp
+    import test_gpu_attention as tga
+
+    a = tga._round(rng.standard_normal((64, k)), dt)
+    # ss: C = A B^T with B (n x k), both K-major; rs: C = A B with B (k x n), read transposed
+    b = tga._round(rng.standard_normal((n, k) if form == "ss" else (k, n)), dt)
+    ref = a.astype(np.float64) @ (b.T if form == "ss" else b).astype(np.float64)
+    kern = fgpu.kernel_function("hopper/peak_wgmma.cu", f"wgmma_check_{form}_{dt}_k{k}_n{n}",
+                                shared_bytes=(64 + n) * k * 2 + 1024)
+    c = cp.full((64, n), np.nan, cp.float32)
+    kern((1,), (128,), (cp.asarray(_bits(a, dt)), cp.asarray(_bits(b, dt)), c), shared_mem=(64 + n) * k * 2 + 1024)
+    got = c.get().astype(np.float64)
+    assert np.isfinite(got).all(), "unwritten accumulators"
+    # Products of 16-bit numbers are exact in fp32; only the fp32 sums round.
+    bound = 1e-5 * (np.abs(a).astype(np.float64) @ np.abs(b.T if form == "ss" else b).astype(np.float64))
+    bad = np.abs(got - ref) > bound + 1e-6
+    assert not bad.any(), f"{bad.sum()} of {bad.size} elements wrong; first at {np.argwhere(bad)[0]}"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_peak_kernel_runs_and_sums_are_finite(dtype):
+    import cupy as cp
+
+    from flashlab.bench import peak
+
+    suffix = "bf16" if dtype == "bfloat16" else "f16"
+    kern = fgpu.kernel_function("hopper/peak_wgmma.cu", "wgmma_peak_" + suffix, shared_bytes=peak.WGMMA_SMEM)
+    out = cp.full(4 * 128, np.nan, cp.float32)
+    kern((4,), (128,), (out, np.int32(8), np.uint32(7)), shared_mem=peak.WGMMA_SMEM)
+    got = out.get()
+    # every accumulator gets 8 batches x 64 products of numbers in [0.5, 1): a sum of 128 of them per thread
+    assert np.isfinite(got).all() and (got >= 0.99 * 128 * 8 * 64 * 0.25).all()
+
+
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+def test_wgmma_rung_matches_reference_on_random_shapes(rng, dt):
+    import test_gpu_attention as tga
+
+    for trial in range(10):
+        d = int(rng.choice(fgpu.HEAD_DIMS))
+        n, m = tga._random_length(rng, 64), tga._random_length(rng, 128)
+        causal = bool(trial % 2)
+        if trial % 5 == 4:
+            tga._check(rng, "wgmma", dt, 0, 0, 0, n, m, d, causal)
+        else:
+            Hk = int(rng.integers(1, 3))
+            tga._check(rng, "wgmma", dt, int(rng.integers(1, 3)), Hk * int(rng.integers(1, 4)), Hk, n, m, d, causal)
+
+
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+def test_wgmma_rung_exact_tiles_masked_rows_and_huge_logits(rng, dt):
+    import test_gpu_attention as tga
+
+    for d in fgpu.HEAD_DIMS:
+        tga._check(rng, "wgmma", dt, 1, 2, 2, 256, 256, d, True)
+        tga._check(rng, "wgmma", dt, 1, 2, 1, 128, 640, d, False)
+        tga._check(rng, "wgmma", dt, 1, 1, 1, 70, 90, d, d == 128, scale=1.0, magnitude=1000.0 / np.sqrt(d))
+    O, L = tga._check(rng, "wgmma", dt, 1, 2, 1, 150, 37, 64, True)  # the first 113 rows see no key
+    assert (O[..., :113, :] == 0).all() and np.isneginf(L[..., :113]).all()
+
+
+def test_wgmma_rung_takes_a_negative_scale(rng):
+    import test_gpu_attention as tga
+
+    tga._check(rng, "wgmma", "f16", 1, 2, 1, 40, 70, 64, True, scale=-0.125)
+
+
+def test_wgmma_rung_refuses_float32():
+    import cupy as cp
+
+    with pytest.raises(ValueError, match="supports"):
+        fgpu.attention(*(cp.zeros((8, 64), cp.float32),) * 3, kernel="wgmma")

@@ -1,0 +1,76 @@
+"""The Hopper kernels (kernels/hopper/) compile with nvcc for sm_90a without spills, and ptxas inserts no
+waits of its own into the attention rungs (note C7519: registers a wgmma reads were written while another ran).
+No GPU needed; the GPU checks are tests/test_gpu_hopper.py."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+import flashlab.gpu as fgpu
+from flashlab.gpu import hopper
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) not installed")
+FILES = sorted("hopper/" + p.name for p in hopper.HOPPER_DIR.glob("*.cu"))
+
+
+def test_every_hopper_file_is_known():
+    rungs = {r.file for r in fgpu.HOPPER_RUNGS.values()}
+    assert set(FILES) == rungs | {"hopper/peak_wgmma.cu"}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("file", FILES)
+def test_compiles_for_sm90a_without_spills(file):
+    report = hopper.compile_report(file)
+    assert report, f"no kernels reported for {file}"
+    for k in report:
+        print(file, k)
+        assert k["spill_store_bytes"] == k["spill_load_bytes"] == k["stack_bytes"] == 0, (file, k)
+        assert k["registers"] <= 168, (file, k)  # three 128-thread blocks per SM, the rung's smem allows at d = 64
+
+
+@needs_nvcc
+@pytest.mark.parametrize("rung", list(fgpu.HOPPER_RUNGS))
+def test_rungs_have_every_entry_point_and_no_compiler_inserted_waits(rung):
+    r = fgpu.HOPPER_RUNGS[rung]
+    names = {k["kernel"] for k in hopper.compile_report(r.file)}
+    assert names == {f"attn_fwd_{dt}_d{d}" for dt in r.dtypes for d in fgpu.HEAD_DIMS}
+    assert hopper.compiler_notes(r.file) == []
+
+
+@needs_nvcc
+def test_plain_sm90_cannot_build_them():
+    # Why the Hopper files take their own path (flashlab.gpu.hopper): the plain target rejects wgmma.
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        res = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-o", f"{tmp}/k.cubin",
+                              str(fgpu.KERNEL_DIR / "hopper/h1_wgmma.cu")], capture_output=True, text=True)
+    assert res.returncode != 0 and "wgmma" in (res.stderr + res.stdout)
+
+
+def test_plan_refuses_them_off_hopper():
+    lim = fgpu.KNOWN_DEVICES["A100"]
+    problem = fgpu.forward_problem(fgpu.HOPPER_RUNGS["wgmma"], "f16", 64, True, lim)
+    assert problem and "sm_90a" in problem and "sm_80" in problem
+    lim90 = fgpu.KNOWN_DEVICES["H200"]
+    assert fgpu.forward_problem(fgpu.HOPPER_RUNGS["wgmma"], "bf16", 128, True, lim90) is None
+    assert "f32" in fgpu.forward_problem(fgpu.HOPPER_RUNGS["wgmma"], "f32", 64, True, lim90)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the host emulation of the kernels needs g++")
+def test_the_gpu_tests_pass_under_the_host_emulation():
+    """The Hopper kernels compiled for the CPU by tools/hostemu, with wgmma emulated from the PTX ISA's layouts:
+    every gpu-marked test of tests/test_gpu_hopper.py. This checks the kernels' own logic (tiles, masks, the
+    online softmax, P handed to the second product in registers, the descriptors they build); whether the
+    hardware reads those layouts the same way only an H100 or H200 can say."""
+    import subprocess
+    import sys
+
+    hostemu = fgpu.KERNEL_DIR.parents[2] / "tools" / "hostemu" / "hostemu.py"
+    res = subprocess.run([sys.executable, str(hostemu), "--hopper"], capture_output=True, text=True, timeout=1800)
+    assert res.returncode == 0 and " passed" in res.stdout and "failed" not in res.stdout, (
+        res.stdout[-3000:] + res.stderr[-3000:])
