@@ -26,7 +26,7 @@ SCREENSHOTS = ROOT / "build" / "deck-screenshots"
 # The catalogue of mistakes (chapter 9) shows one slide per lab and a few of its mistakes: it may run longer.
 LONG_DECKS = {"09_common_mistakes": 30}
 # The closing chapter is itself the course's check-yourself: its seven questions open it, its measured limits follow.
-QUESTIONS_FIRST = {"11_closing"}
+QUESTIONS_FIRST = {"12_closing"}
 EVIDENCE_MD = re.compile(r"\$|^\s*\|.*\|\s*$|```|<img|!\[|<table", re.M)
 
 

@@ -66,8 +66,12 @@ def test_peak_kernel_runs_and_sums_are_finite(dtype):
     assert np.isfinite(got).all() and (got >= 0.99 * 128 * 8 * 64 * 0.25).all()
 
 
+RUNGS = list(fgpu.HOPPER_RUNGS)
+
+
+@pytest.mark.parametrize("rung", RUNGS)
 @pytest.mark.parametrize("dt", ["f16", "bf16"])
-def test_wgmma_rung_matches_reference_on_random_shapes(rng, dt):
+def test_rung_matches_reference_on_random_shapes(rng, rung, dt):
     import test_gpu_attention as tga
 
     for trial in range(10):
@@ -75,32 +79,47 @@ def test_wgmma_rung_matches_reference_on_random_shapes(rng, dt):
         n, m = tga._random_length(rng, 64), tga._random_length(rng, 128)
         causal = bool(trial % 2)
         if trial % 5 == 4:
-            tga._check(rng, "wgmma", dt, 0, 0, 0, n, m, d, causal)
+            tga._check(rng, rung, dt, 0, 0, 0, n, m, d, causal)
         else:
             Hk = int(rng.integers(1, 3))
-            tga._check(rng, "wgmma", dt, int(rng.integers(1, 3)), Hk * int(rng.integers(1, 4)), Hk, n, m, d, causal)
+            tga._check(rng, rung, dt, int(rng.integers(1, 3)), Hk * int(rng.integers(1, 4)), Hk, n, m, d, causal)
 
 
+@pytest.mark.parametrize("rung", RUNGS)
 @pytest.mark.parametrize("dt", ["f16", "bf16"])
-def test_wgmma_rung_exact_tiles_masked_rows_and_huge_logits(rng, dt):
+def test_rung_exact_tiles_masked_rows_and_huge_logits(rng, rung, dt):
     import test_gpu_attention as tga
 
     for d in fgpu.HEAD_DIMS:
-        tga._check(rng, "wgmma", dt, 1, 2, 2, 256, 256, d, True)
-        tga._check(rng, "wgmma", dt, 1, 2, 1, 128, 640, d, False)
-        tga._check(rng, "wgmma", dt, 1, 1, 1, 70, 90, d, d == 128, scale=1.0, magnitude=1000.0 / np.sqrt(d))
-    O, L = tga._check(rng, "wgmma", dt, 1, 2, 1, 150, 37, 64, True)  # the first 113 rows see no key
+        tga._check(rng, rung, dt, 1, 2, 2, 256, 256, d, True)
+        tga._check(rng, rung, dt, 1, 2, 1, 128, 640, d, False)
+        tga._check(rng, rung, dt, 1, 1, 1, 70, 90, d, d == 128, scale=1.0, magnitude=1000.0 / np.sqrt(d))
+    O, L = tga._check(rng, rung, dt, 1, 2, 1, 150, 37, 64, True)  # the first 113 rows see no key
     assert (O[..., :113, :] == 0).all() and np.isneginf(L[..., :113]).all()
 
 
-def test_wgmma_rung_takes_a_negative_scale(rng):
+@pytest.mark.parametrize("rung", RUNGS)
+def test_rung_takes_a_negative_scale(rng, rung):
     import test_gpu_attention as tga
 
-    tga._check(rng, "wgmma", "f16", 1, 2, 1, 40, 70, 64, True, scale=-0.125)
+    tga._check(rng, rung, "f16", 1, 2, 1, 40, 70, 64, True, scale=-0.125)
 
 
-def test_wgmma_rung_refuses_float32():
+@pytest.mark.parametrize("rung", RUNGS)
+def test_rung_refuses_float32(rung):
     import cupy as cp
 
     with pytest.raises(ValueError, match="supports"):
-        fgpu.attention(*(cp.zeros((8, 64), cp.float32),) * 3, kernel="wgmma")
+        fgpu.attention(*(cp.zeros((8, 64), cp.float32),) * 3, kernel=rung)
+
+
+def test_tensor_maps_are_built_once_per_array():
+    import cupy as cp
+
+    from flashlab.gpu import hopper
+
+    x = cp.zeros((1, 2, 100, 64), cp.float16)
+    first = hopper.tensor_map(x, "f16", 64)
+    assert hopper.tensor_map(x, "f16", 64) is first  # found, not built again
+    assert hopper.tensor_map(x, "f16", 128) is not first  # another box is another map
+    assert first.dtype.itemsize == 128

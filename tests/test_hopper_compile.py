@@ -74,3 +74,20 @@ def test_the_gpu_tests_pass_under_the_host_emulation():
     res = subprocess.run([sys.executable, str(hostemu), "--hopper"], capture_output=True, text=True, timeout=1800)
     assert res.returncode == 0 and " passed" in res.stdout and "failed" not in res.stdout, (
         res.stdout[-3000:] + res.stderr[-3000:])
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the host emulation of the kernels needs g++")
+@pytest.mark.parametrize("rung", list(fgpu.HOPPER_RUNGS))
+def test_emulated_attention_matches_float64(rng, rung):
+    import numpy as np
+
+    from flashlab import reference
+
+    q = rng.standard_normal((1, 2, 70, 64)).astype(np.float16)
+    k, v = (rng.standard_normal((1, 1, 150, 64)).astype(np.float16) for _ in range(2))
+    o, lse = hopper.emulated_attention(q, k, v, causal=True, rung=rung)
+    O, L = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), causal=True)
+    assert np.abs(o.astype(np.float64) - O).max() < 3e-3
+    assert np.abs(lse - L).max() < 1e-4
+    with pytest.raises(TypeError, match="float16"):
+        hopper.emulated_attention(q.astype(np.float32), k, v)

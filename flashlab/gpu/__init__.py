@@ -120,6 +120,9 @@ HOPPER_RUNGS = {
     "wgmma": Rung("wgmma", "hopper/h1_wgmma.cu", 64, 128, ("f16", "bf16"), 90,
                   (((64 + 4 * 128) * 64 * 2 + 1024) // 64, ((64 + 4 * 64) * 128 * 2 + 1024) // 128),
                   "wgmma: a warpgroup of 4 warps owns 64 rows; Q, K and V read by the tensor cores from shared memory"),
+    "tma": Rung("tma", "hopper/h2_tma.cu", 64, 128, ("f16", "bf16"), 90,
+                (-(-((64 + 4 * 128) * 64 * 2 + 1024 + 64) // 64), -(-((64 + 4 * 64) * 128 * 2 + 1024 + 64) // 128)),
+                "TMA: one thread asks the copy engine for each tile through a tensor map; mbarriers say it landed"),
 }
 
 
@@ -954,6 +957,10 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kern
 
     kern = get_kernel(rung, dt, d)
     grid = (math.ceil(n / rung.block_rows), H, B)
+    if rung.file.startswith("hopper/h2"):  # the TMA rungs take tensor maps of q, k and v (flashlab.gpu.hopper)
+        from . import hopper
+
+        q, k, v = hopper.tma_maps(q, k, v, dt, d)
     args = (q, k, v, o, lse, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk), np.float32(scale),
             np.int32(bool(causal)))
     kern(grid, (rung.threads,), args, shared_mem=rung.shared_bytes(d))

@@ -7,12 +7,19 @@ Hopper files are compiled here with NVRTC for ``-arch=sm_90a`` (through CuPy's o
 CuPy install has), the machine code is written once per process to a temporary file and loaded with
 ``cupy.RawModule(path=...)``; from there a kernel is found in ``flashlab.gpu``'s dictionary like any other.
 
-The kernels include ``wgmma.cuh``, the helpers they share; NVRTC is handed it by name.
+The kernels include ``wgmma.cuh`` and ``tma.cuh``, the helpers they share; NVRTC is handed them by name.
+
+The TMA rung reads Q, K and V through tensor maps, 128-byte descriptors of a tensor in global memory that the
+driver builds (``cuTensorMapEncodeTiled``). They are built here through NVIDIA's own Python binding of the driver
+API, ``cuda-bindings`` (``pip install cuda-bindings``, the package ``cuda-python`` installs): CuPy does not wrap
+that call, and the binding is maintained with the driver it wraps. A map depends only on an array's address,
+shape and dtype, so each is built once and kept (``tensor_map``), and a call costs no driver call after the first.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import hashlib
 import pathlib
 import re
@@ -107,3 +114,123 @@ def compiler_notes(file: str, defines: tuple[str, ...] = ()) -> list[str]:
                               str(pathlib.Path(tmp) / "k.cubin"), str(KERNEL_DIR / file)],
                              capture_output=True, text=True, timeout=300)
     return [line for line in (res.stderr + res.stdout).splitlines() if re.search(r"\(C\d{4}\)", line)]
+
+
+def emulation_problem() -> str | None:
+    """Why :func:`emulated_attention` cannot run here (None: it can): the host emulation needs a C++20 compiler."""
+    from .. import hostcuda
+
+    return hostcuda.compiler_problem()
+
+
+def emulated_attention(q, k, v, *, causal: bool = False, scale: float | None = None, rung: str = "wgmma"):
+    """A Hopper rung run on the CPU: its .cu compiled by g++ against the host emulation of CUDA
+    (``flashlab.hostcuda``, wgmma emulated from the rules of ``flashlab.wgmma``). NumPy float16 arrays, q (n, d) or
+    (batch, heads, n, d), k and v alike with heads_kv dividing heads; returns ``(o, lse)`` as the GPU call does.
+    Slow (one OS thread per CUDA thread): for small shapes, to see the kernel's logic run without a Hopper GPU."""
+    import numpy as np
+
+    from .. import hostcuda
+    from .._checks import check_scale
+    from . import HEAD_DIMS, HOPPER_RUNGS
+
+    if problem := emulation_problem():
+        raise RuntimeError(f"the host emulation needs a C++20 compiler: {problem}")
+    arrays = [np.ascontiguousarray(x) for x in (q, k, v)]
+    if any(x.dtype != np.float16 for x in arrays) or not (q.ndim == k.ndim == v.ndim and q.ndim in (2, 4)):
+        raise TypeError("expected float16 NumPy arrays, all (n, d) or all (batch, heads, n, d)")
+    d = q.shape[-1]
+    if d not in HEAD_DIMS or k.shape[-1] != d or k.shape != v.shape:
+        raise ValueError(f"expected d in {HEAD_DIMS} for q, k and v, and k and v of one shape; got {q.shape}, "
+                         f"{k.shape}, {v.shape}")
+    spec = HOPPER_RUNGS[rung]
+    B, H, n = (1, 1, q.shape[0]) if q.ndim == 2 else q.shape[:3]
+    Hk, m = (1, k.shape[0]) if k.ndim == 2 else k.shape[1:3]
+    if H % Hk:
+        raise ValueError(f"k/v heads must divide q heads; got {Hk} and {H}")
+    name = f"attn_fwd_f16_d{d}"
+    lib = hostcuda.library(hostcuda.host_source(inlined_source(spec.file)), (name,))
+    o = np.full(q.shape, np.nan, np.float16)
+    lse = np.full(q.shape[:-1], np.nan, np.float32)
+    grid = (-(-n // spec.block_rows), H, B)
+    inputs = arrays
+    if spec.file in TMA_FILES:  # the emulation's own tensor maps (host_tensor_map) over the NumPy arrays
+        mt = np.dtype([("opaque", np.uint64, (16,))])
+        inputs = [np.frombuffer(host_tensor_map(x.ctypes.data, d, x.shape[-2], x.size // (d * x.shape[-2]), "f16",
+                                                box), dtype=mt)[0]
+                  for x, box in zip(arrays, (QUERY_TILE, KEY_TILE[d], KEY_TILE[d]), strict=True)]
+    hostcuda.Kernel(lib, name)(grid, (spec.threads,), (*inputs, o, lse, np.int32(n), np.int32(m), np.int32(H),
+                                                       np.int32(Hk), np.float32(check_scale(scale, d)),
+                                                       np.int32(bool(causal))))
+    return o, lse
+
+
+# ------------------------------------------------------------------------------------------- tensor maps (TMA)
+#: The files whose kernels take tensor maps for q, k and v instead of pointers.
+TMA_FILES = frozenset({"hopper/h2_tma.cu"})
+#: Keys per tile of the Hopper rungs at each head dimension (their BC).
+KEY_TILE = {64: 128, 128: 64}
+QUERY_TILE = 64
+PANEL = 64  # columns of one box: one 128-byte row of 16-bit elements, the span of the 128-byte swizzle
+TENSOR_MAP_DTYPE = None  # numpy structured dtype of 16 uint64 (set on first use)
+_MAPS: dict[tuple, object] = {}
+_MAPS_KEPT = 256
+
+
+def _encode(ptr: int, d: int, rows: int, heads: int, dt: str, box_rows: int) -> bytes:
+    """The driver's tensor map (128 bytes) of a (heads, rows, d) array of 16-bit elements at ``ptr``: boxes of
+    64 columns by ``box_rows`` rows of one head, written to shared memory in the 128-byte swizzle, rows past the
+    end filled with zeros."""
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise ImportError("the TMA rung builds tensor maps with NVIDIA's driver binding: pip install cuda-bindings "
+                          "(the major version of your CUDA, e.g. cuda-bindings 13.* for CUDA 13)") from e
+    kind = cu.CUtensorMapDataType
+    err, tmap = cu.cuTensorMapEncodeTiled(
+        kind.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if dt == "bf16" else kind.CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3, ptr,
+        [cu.cuuint64_t(x) for x in (d, rows, heads)], [cu.cuuint64_t(x) for x in (d * 2, rows * d * 2)],
+        [cu.cuuint32_t(x) for x in (PANEL, box_rows, 1)], [cu.cuuint32_t(1)] * 3,
+        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for a ({heads}, {rows}, {d}) {dt} array with "
+                           f"boxes of {box_rows} x {PANEL}")
+    return ctypes.string_at(tmap.getPtr(), 128)
+
+
+def tensor_map(x, dt: str, box_rows: int):
+    """The tensor map of a CuPy array ``x`` (n, d) or (batch, heads, n, d) of 16-bit elements, as the kernel
+    parameter it is passed as (a NumPy structured scalar of 128 bytes): built once per address, shape, dtype and
+    box, then found in a dictionary."""
+    import numpy as np
+
+    global TENSOR_MAP_DTYPE
+    d, rows = x.shape[-1], x.shape[-2]
+    heads = int(np.prod(x.shape[:-2], dtype=np.int64)) if x.ndim > 2 else 1
+    key = (x.data.ptr, d, rows, heads, dt, box_rows)
+    value = _MAPS.get(key)
+    if value is None:
+        if TENSOR_MAP_DTYPE is None:
+            TENSOR_MAP_DTYPE = np.dtype([("opaque", np.uint64, (16,))])
+        value = np.frombuffer(_encode(x.data.ptr, d, rows, heads, dt, box_rows), dtype=TENSOR_MAP_DTYPE)[0]
+        if len(_MAPS) >= _MAPS_KEPT:
+            _MAPS.pop(next(iter(_MAPS)))
+        _MAPS[key] = value
+    return value
+
+
+def tma_maps(q, k, v, dt: str, d: int) -> tuple:
+    """The three tensor maps a TMA rung takes in place of q, k and v."""
+    return (tensor_map(q, dt, QUERY_TILE), tensor_map(k, dt, KEY_TILE[d]), tensor_map(v, dt, KEY_TILE[d]))
+
+
+def host_tensor_map(ptr: int, d: int, rows: int, heads: int, dt: str, box_rows: int) -> bytes:
+    """What the host emulation of CUDA (``flashlab.hostcuda``) takes for a tensor map in place of the driver's
+    opaque one: address, sizes, strides in bytes and box, in 16 words. ``tools/hostemu`` puts it in place of
+    ``_encode``."""
+    import numpy as np
+
+    words = [ptr, d, rows, heads, 2 * d, 2 * d * rows, PANEL, box_rows] + [0] * 8
+    return np.array(words, dtype=np.uint64).tobytes()

@@ -212,6 +212,8 @@ class Kernel:
                 values.append(ctypes.c_float(float(a)))
             elif isinstance(a, np.int64):
                 values.append(ctypes.c_longlong(int(a)))
+            elif isinstance(a, np.void):  # a struct passed by value (a Hopper tensor map): its bytes
+                values.append(ctypes.create_string_buffer(a.tobytes(), len(a.tobytes())))
             else:
                 raise TypeError(f"unsupported kernel argument {type(a).__name__}")
         ptrs = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])

@@ -15,6 +15,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <chrono>
+#include <condition_variable>
 #include <mutex>
 #include <thread>
 #include <type_traits>
@@ -35,6 +37,7 @@ inline dim3 blockIdx, gridDim, blockDim;
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __restrict__
+#define __grid_constant__
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
 struct alignas(16) uint4 { unsigned x, y, z, w; };
@@ -299,6 +302,63 @@ struct Wgmma {
     template <bool BF16>
     static float val(std::uint16_t x) { return BF16 ? bf16_val(x) : f16_val(x); }
 };
+
+// --- the TMA rungs (kernels/hopper/tma.cuh): mbarriers and tensor copies, synchronous here. An mbarrier's 8 bytes
+// hold {pending arrivals (bits 0-14), expected arrivals (15-29), phase (31)} and the bytes still owed (signed).
+// A tensor map is the host emulation's own 16 words (flashlab.gpu.hopper.host_tensor_map), not the driver's.
+inline std::mutex g_mbar_mutex;
+inline std::condition_variable g_mbar_done;  // told when any barrier completes a phase
+inline void mbar_init(unsigned bar, unsigned count) {
+    std::lock_guard<std::mutex> lock(g_mbar_mutex);
+    const unsigned w = count | (count << 15);
+    const int tx = 0;
+    std::memcpy(smem_ptr(bar), &w, 4);
+    std::memcpy(smem_ptr(bar) + 4, &tx, 4);
+}
+inline void fence_barrier_init() {}
+inline void mbar_update(unsigned bar, int arrivals, int bytes) {  // caller holds g_mbar_mutex
+    unsigned w; int tx;
+    std::memcpy(&w, smem_ptr(bar), 4);
+    std::memcpy(&tx, smem_ptr(bar) + 4, 4);
+    unsigned pending = (w & 0x7fffu) - arrivals;
+    tx += bytes;
+    const unsigned count = (w >> 15) & 0x7fffu;
+    unsigned phase = w >> 31;
+    if (pending == 0 && tx == 0) { phase ^= 1u; pending = count; g_mbar_done.notify_all(); }
+    w = pending | (count << 15) | (phase << 31);
+    std::memcpy(smem_ptr(bar), &w, 4);
+    std::memcpy(smem_ptr(bar) + 4, &tx, 4);
+}
+inline void mbar_expect_tx(unsigned bar, unsigned bytes) {
+    std::lock_guard<std::mutex> lock(g_mbar_mutex);
+    mbar_update(bar, 1, (int)bytes);
+}
+// As on the GPU, a bounded wait (here until a phase completes, or 10 ms): the kernel loops on it.
+inline bool mbar_try_wait(unsigned bar, unsigned parity) {
+    std::unique_lock<std::mutex> lock(g_mbar_mutex);
+    return g_mbar_done.wait_for(lock, std::chrono::milliseconds(10), [&] {
+        unsigned w; std::memcpy(&w, smem_ptr(bar), 4);
+        return (w >> 31) != (parity & 1u);
+    });
+}
+template <class Map>
+inline void tma_load_3d(unsigned dst, const Map* map, int x, int y, int z, unsigned bar) {
+    const unsigned long long* m = (const unsigned long long*)map;
+    const unsigned char* base = (const unsigned char*)(std::uintptr_t)m[0];
+    const long long d = m[1], rows = m[2], heads = m[3], row_stride = m[4], head_stride = m[5];
+    const int box_cols = (int)m[6], box_rows = (int)m[7];
+    for (int r = 0; r < box_rows; ++r)
+        for (int c = 0; c < box_cols; ++c) {
+            const long long gr = y + r, gc = x + c;
+            std::uint16_t v = 0;
+            if (gr < rows && gc < d && z < heads) std::memcpy(&v, base + z * head_stride + gr * row_stride + 2 * gc, 2);
+            unsigned a = dst + r * 2 * box_cols + 2 * c;
+            a ^= ((a >> 7) & 7u) << 4;  // the 128-byte swizzle, on the address
+            std::memcpy(smem_ptr(a), &v, 2);
+        }
+    std::lock_guard<std::mutex> lock(g_mbar_mutex);
+    mbar_update(bar, 0, -2 * box_rows * box_cols);
+}
 
 // Host versions of the kernel files' conversion structs, whose PTX bodies (cvt, mma.sync) cannot run here: the
 // emulation replaces each file's `struct F16 { ... };` and `struct BF16 { ... };` by `using F16 = HostF16;` etc.

@@ -152,6 +152,7 @@ def install(real_forward: bool = False) -> None:
     from flashlab.gpu import hopper  # the sm_90a files: one text, compiled like the others (no NVRTC here)
 
     hopper.module = lambda file, defines=(): _RawModule(hopper.inlined_source(file), defines)
+    hopper._encode = hopper.host_tensor_map  # the emulation's own tensor maps, read by cuda_host.h's TMA
     if real_forward:
         return
 
