@@ -28,7 +28,8 @@ def test_compiles_for_sm90a_without_spills(file):
     for k in report:
         print(file, k)
         assert k["spill_store_bytes"] == k["spill_load_bytes"] == k["stack_bytes"] == 0, (file, k)
-        assert k["registers"] <= 168, (file, k)  # three 128-thread blocks per SM, the rung's smem allows at d = 64
+        # three 128-thread blocks per SM at d = 64 (rungs H1, H2); the plan's cap for the larger blocks (H3)
+        assert k["registers"] <= fgpu.REGISTER_CAPS.get(file, 168), (file, k)
 
 
 @needs_nvcc

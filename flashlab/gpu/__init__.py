@@ -123,6 +123,11 @@ HOPPER_RUNGS = {
     "tma": Rung("tma", "hopper/h2_tma.cu", 64, 128, ("f16", "bf16"), 90,
                 (-(-((64 + 4 * 128) * 64 * 2 + 1024 + 64) // 64), -(-((64 + 4 * 64) * 128 * 2 + 1024 + 64) // 128)),
                 "TMA: one thread asks the copy engine for each tile through a tensor map; mbarriers say it landed"),
+    "specialized": Rung("specialized", "hopper/h3_warp_specialized.cu", 128, 384, ("f16", "bf16"), 90,
+                        (-(-((128 + 4 * 128) * 64 * 2 + 1024 + 64) // 64),
+                         -(-((128 + 4 * 64) * 128 * 2 + 1024 + 64) // 128)),
+                        "warp specialisation: a producer warpgroup issues the copies into a ring, two consumers "
+                        "compute; full and empty mbarriers per stage"),
 }
 
 
@@ -135,6 +140,9 @@ def hopper_problem(lim: DeviceLimits | None = None) -> str | None:
     return None
 
 
+# Kernels built with __launch_bounds__(threads, 1) for blocks of more than 256 threads: ptxas caps their registers at
+# 65536 / threads (rounded down to 8), so such a block fits the register file where 255 a thread would not.
+REGISTER_CAPS = {"hopper/h3_warp_specialized.cu": 168}
 # The fastest rung per (dtype, d), by flashlab.bench.forward.fastest_rung over data/benchmarks/r12_probe.json (rungs 11
 # and 12 and SDPA in one run, fp16 and bf16, both protocols): rung 12 at d = 64 (about 10 % faster), rung 11 at
 # d = 128, where the two are within 1 % (there rung 12 differs from rung 11 only in packing P early). Rung 11 was
@@ -384,9 +392,11 @@ class Plan:
         return f"{self.reason}\n  on {self.device}"
 
 
-def launch_problem(what: str, *, min_cc: int, shared_bytes: int, threads: int, lim: DeviceLimits) -> str | None:
-    """Why a kernel needing sm_``min_cc``, ``shared_bytes`` per block and ``threads`` cannot run on ``lim``
-    (None when it can). Each reason names the limit, so that no call reaches the driver to fail there."""
+def launch_problem(what: str, *, min_cc: int, shared_bytes: int, threads: int, lim: DeviceLimits,
+                   registers: int = MAX_REGISTERS_PER_THREAD) -> str | None:
+    """Why a kernel needing sm_``min_cc``, ``shared_bytes`` per block and ``threads`` of at most ``registers``
+    registers each cannot run on ``lim`` (None when it can). Each reason names the limit, so that no call reaches
+    the driver to fail there."""
     if lim.cc < min_cc:
         return f"needs sm_{min_cc} or newer{what}; this GPU is sm_{lim.cc} (compute capability)"
     if shared_bytes > lim.smem_per_block:
@@ -394,8 +404,8 @@ def launch_problem(what: str, *, min_cc: int, shared_bytes: int, threads: int, l
                 f"{lim.smem_per_block:,} B (MaxSharedMemoryPerBlockOptin)")
     if threads > lim.threads_per_block:
         return f"needs {threads} threads per block; this GPU allows {lim.threads_per_block} (MaxThreadsPerBlock)"
-    if threads * MAX_REGISTERS_PER_THREAD > lim.regs_per_block:
-        return (f"may use {threads} x {MAX_REGISTERS_PER_THREAD} registers per block; this GPU has "
+    if threads * registers > lim.regs_per_block:
+        return (f"may use {threads} x {registers} registers per block; this GPU has "
                 f"{lim.regs_per_block:,} (MaxRegistersPerBlock)")
     return None
 
@@ -576,7 +586,8 @@ def forward_problem(rung: Rung, dt: str, d: int, positive_scale: bool, lim: Devi
     if rung.file.startswith("hopper/") and (problem := hopper_problem(lim)):  # not "sm_90 or newer": sm_90 only
         return problem
     problem = launch_problem(f" at d = {d}", min_cc=rung.min_cc, shared_bytes=rung.shared_bytes(d),
-                             threads=rung.threads, lim=lim)
+                             threads=rung.threads, lim=lim,
+                             registers=REGISTER_CAPS.get(rung.file, MAX_REGISTERS_PER_THREAD))
     if problem is None and avoid_spills and compiled_arch(lim.cc) in SPILLS.get((rung.file, rung.defines, d), ()):
         problem = (f"spills registers at d = {d} on sm_{compiled_arch(lim.cc)} (more than the "
                    f"{MAX_REGISTERS_PER_THREAD} registers a thread may hold; flashlab.gpu.SPILLS)")
@@ -957,10 +968,11 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kern
 
     kern = get_kernel(rung, dt, d)
     grid = (math.ceil(n / rung.block_rows), H, B)
-    if rung.file.startswith("hopper/h2"):  # the TMA rungs take tensor maps of q, k and v (flashlab.gpu.hopper)
+    if rung.file.startswith("hopper/"):
         from . import hopper
 
-        q, k, v = hopper.tma_maps(q, k, v, dt, d)
+        if rung.file in hopper.TMA_FILES:  # these take tensor maps of q, k and v
+            q, k, v = hopper.tma_maps(q, k, v, dt, d)
     args = (q, k, v, o, lse, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk), np.float32(scale),
             np.int32(bool(causal)))
     kern(grid, (rung.threads,), args, shared_mem=rung.shared_bytes(d))

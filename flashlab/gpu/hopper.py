@@ -167,7 +167,7 @@ def emulated_attention(q, k, v, *, causal: bool = False, scale: float | None = N
 
 # ------------------------------------------------------------------------------------------- tensor maps (TMA)
 #: The files whose kernels take tensor maps for q, k and v instead of pointers.
-TMA_FILES = frozenset({"hopper/h2_tma.cu"})
+TMA_FILES = frozenset({"hopper/h2_tma.cu", "hopper/h3_warp_specialized.cu"})
 #: Keys per tile of the Hopper rungs at each head dimension (their BC).
 KEY_TILE = {64: 128, 128: 64}
 QUERY_TILE = 64

@@ -333,13 +333,31 @@ inline void mbar_expect_tx(unsigned bar, unsigned bytes) {
     std::lock_guard<std::mutex> lock(g_mbar_mutex);
     mbar_update(bar, 1, (int)bytes);
 }
-// As on the GPU, a bounded wait (here until a phase completes, or 10 ms): the kernel loops on it.
+inline void mbar_arrive(unsigned bar) {
+    std::lock_guard<std::mutex> lock(g_mbar_mutex);
+    mbar_update(bar, 1, 0);
+}
+template <int N>
+inline void setmaxnreg_dec() {}  // registers are not counted here
+template <int N>
+inline void setmaxnreg_inc() {}
+// As on the GPU, a bounded wait (here until a phase completes, or 10 ms): the kernel loops on it. A thread that
+// has waited a minute without a phase completing waits for one that never will (a wrong parity, a missing
+// arrival): the program stops and says so rather than hang.
+inline thread_local int g_mbar_misses = 0;
 inline bool mbar_try_wait(unsigned bar, unsigned parity) {
     std::unique_lock<std::mutex> lock(g_mbar_mutex);
-    return g_mbar_done.wait_for(lock, std::chrono::milliseconds(10), [&] {
+    const bool done = g_mbar_done.wait_for(lock, std::chrono::milliseconds(10), [&] {
         unsigned w; std::memcpy(&w, smem_ptr(bar), 4);
         return (w >> 31) != (parity & 1u);
     });
+    g_mbar_misses = done ? 0 : g_mbar_misses + 1;
+    if (g_mbar_misses > 6000) {
+        std::fprintf(stderr, "hostcuda: thread %u of block (%u, %u, %u) waited 60 s for parity %u of the mbarrier at "
+                     "shared byte %u: a deadlock\n", threadIdx.x, blockIdx.x, blockIdx.y, blockIdx.z, parity, bar);
+        std::abort();
+    }
+    return done;
 }
 template <class Map>
 inline void tma_load_3d(unsigned dst, const Map* map, int x, int y, int z, unsigned bar) {

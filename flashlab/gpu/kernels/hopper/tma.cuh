@@ -47,3 +47,18 @@ __device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, int x
         ::"r"(dst), "l"(map), "r"(x), "r"(y), "r"(z), "r"(bar)
         : "memory");
 }
+
+// This thread arrives on the barrier (no bytes expected): a consumer saying it is done with a stage.
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// A warpgroup gives registers back (dec) or takes them (inc) up to N per thread; the kernel must start with a
+// register cap (__launch_bounds__(threads, 1)) and each role must be one branch.
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+}
