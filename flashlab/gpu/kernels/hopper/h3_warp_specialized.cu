@@ -22,6 +22,8 @@
 #ifndef STAGES
 #define STAGES 2
 #endif
+// The host reserves 64 bytes of barriers (flashlab.gpu.HOPPER_RUNGS) and 2 stages of K and V.
+static_assert(STAGES == 2, "flashlab.gpu.HOPPER_RUNGS sizes shared memory for 2 stages");
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 
