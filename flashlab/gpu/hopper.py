@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import hashlib
 import pathlib
 import re
 import shutil
 import subprocess
 import tempfile
+
+import numpy as np
 
 from . import KERNEL_DIR, parse_resource_usage
 
@@ -88,9 +91,10 @@ def module(file: str, defines: tuple[str, ...] = ()):
     return cupy.RawModule(path=str(path))
 
 
-def compile_report(file: str, defines: tuple[str, ...] = (), timeout: float = 300) -> list[dict] | None:
-    """ptxas's resource usage of ``kernels/FILE`` built by nvcc for sm_90a (None without nvcc), as
-    ``flashlab.gpu.compile_report`` gives it for the other files."""
+@functools.lru_cache(maxsize=32)
+def _ptxas_log(file: str, defines: tuple[str, ...] = (), timeout: float = 300) -> str | None:
+    """nvcc's output building ``kernels/FILE`` for sm_90a with --resource-usage (None without nvcc): one
+    compilation serves both the resource report and the performance notes."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         return None
@@ -100,20 +104,21 @@ def compile_report(file: str, defines: tuple[str, ...] = (), timeout: float = 30
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr}")
-    return parse_resource_usage(res.stderr + res.stdout)
+    return res.stderr + res.stdout
+
+
+def compile_report(file: str, defines: tuple[str, ...] = ()) -> list[dict] | None:
+    """ptxas's resource usage of ``kernels/FILE`` built by nvcc for sm_90a (None without nvcc), as
+    ``flashlab.gpu.compile_report`` gives it for the other files."""
+    log = _ptxas_log(file, tuple(defines))
+    return None if log is None else parse_resource_usage(log)
 
 
 def compiler_notes(file: str, defines: tuple[str, ...] = ()) -> list[str]:
     """ptxas's performance notes on ``file`` (e.g. C7519: a warpgroup.arrive it had to insert because registers
     that a wgmma reads were written while an earlier wgmma ran). Empty without nvcc."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        return []
-    with tempfile.TemporaryDirectory() as tmp:
-        res = subprocess.run([nvcc, "-cubin", NVCC_ARCH, "--std=c++17", "--resource-usage", *defines, "-o",
-                              str(pathlib.Path(tmp) / "k.cubin"), str(KERNEL_DIR / file)],
-                             capture_output=True, text=True, timeout=300)
-    return [line for line in (res.stderr + res.stdout).splitlines() if re.search(r"\(C\d{4}\)", line)]
+    log = _ptxas_log(file, tuple(defines))
+    return [] if log is None else [line for line in log.splitlines() if re.search(r"\(C\d{4}\)", line)]
 
 
 def emulation_problem() -> str | None:
@@ -128,8 +133,6 @@ def emulated_attention(q, k, v, *, causal: bool = False, scale: float | None = N
     (``flashlab.hostcuda``, wgmma emulated from the rules of ``flashlab.wgmma``). NumPy float16 arrays, q (n, d) or
     (batch, heads, n, d), k and v alike with heads_kv dividing heads; returns ``(o, lse)`` as the GPU call does.
     Slow (one OS thread per CUDA thread): for small shapes, to see the kernel's logic run without a Hopper GPU."""
-    import numpy as np
-
     from .. import hostcuda
     from .._checks import check_scale
     from . import HEAD_DIMS, HOPPER_RUNGS
@@ -155,9 +158,8 @@ def emulated_attention(q, k, v, *, causal: bool = False, scale: float | None = N
     grid = (-(-n // spec.block_rows), H, B)
     inputs = arrays
     if spec.file in TMA_FILES:  # the emulation's own tensor maps (host_tensor_map) over the NumPy arrays
-        mt = np.dtype([("opaque", np.uint64, (16,))])
         inputs = [np.frombuffer(host_tensor_map(x.ctypes.data, d, x.shape[-2], x.size // (d * x.shape[-2]), "f16",
-                                                box), dtype=mt)[0]
+                                                box), dtype=TENSOR_MAP_DTYPE)[0]
                   for x, box in zip(arrays, (QUERY_TILE, KEY_TILE[d], KEY_TILE[d]), strict=True)]
     hostcuda.Kernel(lib, name)(grid, (spec.threads,), (*inputs, o, lse, np.int32(n), np.int32(m), np.int32(H),
                                                        np.int32(Hk), np.float32(check_scale(scale, d)),
@@ -172,7 +174,8 @@ TMA_FILES = frozenset({"hopper/h2_tma.cu", "hopper/h3_warp_specialized.cu"})
 KEY_TILE = {64: 128, 128: 64}
 QUERY_TILE = 64
 PANEL = 64  # columns of one box: one 128-byte row of 16-bit elements, the span of the 128-byte swizzle
-TENSOR_MAP_DTYPE = None  # numpy structured dtype of 16 uint64 (set on first use)
+#: A tensor map as a kernel argument: 128 bytes passed by value (CuPy passes a NumPy structured scalar's bytes).
+TENSOR_MAP_DTYPE = np.dtype([("opaque", np.uint64, (16,))])
 _MAPS: dict[tuple, object] = {}
 _MAPS_KEPT = 256
 
@@ -204,16 +207,11 @@ def tensor_map(x, dt: str, box_rows: int):
     """The tensor map of a CuPy array ``x`` (n, d) or (batch, heads, n, d) of 16-bit elements, as the kernel
     parameter it is passed as (a NumPy structured scalar of 128 bytes): built once per address, shape, dtype and
     box, then found in a dictionary."""
-    import numpy as np
-
-    global TENSOR_MAP_DTYPE
     d, rows = x.shape[-1], x.shape[-2]
     heads = int(np.prod(x.shape[:-2], dtype=np.int64)) if x.ndim > 2 else 1
     key = (x.data.ptr, d, rows, heads, dt, box_rows)
     value = _MAPS.get(key)
     if value is None:
-        if TENSOR_MAP_DTYPE is None:
-            TENSOR_MAP_DTYPE = np.dtype([("opaque", np.uint64, (16,))])
         value = np.frombuffer(_encode(x.data.ptr, d, rows, heads, dt, box_rows), dtype=TENSOR_MAP_DTYPE)[0]
         if len(_MAPS) >= _MAPS_KEPT:
             _MAPS.pop(next(iter(_MAPS)))
@@ -230,7 +228,5 @@ def host_tensor_map(ptr: int, d: int, rows: int, heads: int, dt: str, box_rows: 
     """What the host emulation of CUDA (``flashlab.hostcuda``) takes for a tensor map in place of the driver's
     opaque one: address, sizes, strides in bytes and box, in 16 words. ``tools/hostemu`` puts it in place of
     ``_encode``."""
-    import numpy as np
-
     words = [ptr, d, rows, heads, 2 * d, 2 * d * rows, PANEL, box_rows] + [0] * 8
     return np.array(words, dtype=np.uint64).tobytes()
