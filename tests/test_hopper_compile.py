@@ -41,6 +41,24 @@ def test_rungs_have_every_entry_point_and_no_compiler_inserted_waits(rung):
     assert hopper.compiler_notes(r.file) == []
 
 
+def _nvrtc_available() -> bool:
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _nvrtc_available(), reason="CuPy's NVRTC (cupy and libnvrtc) not installed")
+@pytest.mark.parametrize("file", FILES)
+def test_the_runtime_build_path_compiles_them(file):
+    """What ``attention`` runs on an H200: NVRTC through CuPy, headers passed in memory (needs no GPU)."""
+    code = hopper.cubin(file)
+    assert code[:4] == b"\x7fELF"
+
+
 @needs_nvcc
 def test_plain_sm90_cannot_build_them():
     # Why the Hopper files take their own path (flashlab.gpu.hopper): the plain target rejects wgmma.

@@ -66,7 +66,9 @@ def cubin(file: str, defines: tuple[str, ...] = ()) -> bytes:
 
     source = (KERNEL_DIR / file).read_text()
     headers = _headers()
-    prog = nvrtc.createProgram(source, file, tuple(headers.values()), tuple(headers))
+    # CuPy's wrapper encodes the source, the name and the options itself but passes headers as raw C strings
+    prog = nvrtc.createProgram(source, file, tuple(h.encode() for h in headers.values()),
+                               tuple(name.encode() for name in headers))
     try:
         try:
             nvrtc.compileProgram(prog, (NVRTC_ARCH, "--std=c++17", *defines))
