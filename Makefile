@@ -94,7 +94,7 @@ bench-peak: setup
 # Hopper (H100, H200 only): the wgmma ceiling beside mma.sync's, and the wgmma rungs against the best mma.sync rungs
 # and SDPA's two backends, in one run each.
 bench-hopper: setup
-	$(BENCH) peak --name peak_hopper --impls wgmma mma_sync --warps 4 8 12 16
+	$(BENCH) peak --name peak_hopper --impls wgmma mma_sync --warps 4 8 12
 	$(BENCH) forward --name hopper --impls wgmma tma specialized three_blocks k_lanes sdpa_flash sdpa_cudnn --d 64 128 \
 	    --n 1024 4096 16384 --causal both --dtypes float16 bfloat16 --repeat 20 --warmup 3
 
@@ -189,8 +189,11 @@ profile-backward: setup
 	$(call ncu_summary,ncu_bwd_sdpa.csv,stalls_bwd_sdpa_flash)
 
 # Every kernel once at ragged shapes under compute-sanitizer; fails on any memory error or race.
+# --report-api-errors no: the driver binding that builds TMA tensor maps (cuda-bindings) probes for entry points
+# this driver may lack, and each miss is an API error; a failing call of ours raises in Python anyway, so the
+# sanitizer reports device memory errors only.
 sanitize: setup
-	compute-sanitizer --tool memcheck --error-exitcode 1 $(BIN)/python -m flashlab selfcheck
+	compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 $(BIN)/python -m flashlab selfcheck
 	compute-sanitizer --tool racecheck --error-exitcode 1 $(BIN)/python -m flashlab selfcheck
 
 lint: dev

@@ -153,6 +153,17 @@ def git_commit() -> str | None:
     return sha if res.returncode == 0 and len(sha) == 40 else None
 
 
+def git_dirty() -> bool | None:
+    """Whether tracked files differ from HEAD (the commit alone does not name the sources then; the kernel hashes
+    do), or None outside a git checkout."""
+    try:
+        res = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return bool(res.stdout.strip()) if res.returncode == 0 else None
+
+
 def gpu_provenance(command: str) -> dict:
     """The GPU, driver, CUDA, library versions, commit and forward kernel hashes a GPU record was made with."""
     import cupy as cp
@@ -183,7 +194,11 @@ def gpu_provenance(command: str) -> dict:
     except ImportError:
         prov["torch"] = None
     prov["git_commit"] = git_commit()
+    prov["git_dirty"] = git_dirty()
     prov["kernel_sha256"] = {r.file: hashlib.sha256(r.source().encode()).hexdigest()[:16] for r in fgpu.RUNGS.values()}
+    # the Hopper rungs and the headers they include, by their path under kernels/
+    prov["kernel_sha256"].update({f"hopper/{name}": h for name, h in
+                                  file_hashes(sorted(fgpu.KERNEL_DIR.glob("hopper/*.cu*"))).items()})
     return prov
 
 

@@ -21,7 +21,7 @@ import pytest
 
 import flashlab.gpu as fgpu
 from flashlab.gpu import backward as gbwd
-from flashlab.gpu import decoding
+from flashlab.gpu import decoding, hopper
 
 DEVICES = list(fgpu.KNOWN_DEVICES.values())
 T4, A10, RTX4090, A100, H100 = (fgpu.KNOWN_DEVICES[n] for n in ("T4", "A10", "RTX 4090", "A100", "H100"))
@@ -34,7 +34,7 @@ def _fits(lim: fgpu.DeviceLimits, min_cc: int, shared: int, threads: int) -> boo
 
 
 def _rung(name: str) -> fgpu.Rung:
-    return fgpu.RUNGS.get(name) or fgpu.PLANNED_VARIANTS[name]
+    return fgpu.RUNGS.get(name) or fgpu.HOPPER_RUNGS.get(name) or fgpu.PLANNED_VARIANTS[name]
 
 
 def _spills(rung: fgpu.Rung, d: int, lim: fgpu.DeviceLimits) -> bool:
@@ -59,7 +59,8 @@ def test_forward_takes_the_first_rung_of_the_order_that_runs(lim, dt, d, positiv
     assert not _spills(rung, d, lim) and not _too_few_blocks(rung, d, lim)
     needs_positive = {fgpu.RUNGS[name].file for name in fgpu.POSITIVE_SCALE_ONLY}
     assert positive_scale or rung.file not in needs_positive
-    order = list(dict.fromkeys((fgpu.BEST[(dt, d)], *fgpu.LADDER_ORDER)))
+    hop = (fgpu.HOPPER_BEST[(dt, d)],) if lim.cc == 90 and (dt, d) in fgpu.HOPPER_BEST else ()
+    order = list(dict.fromkeys((*hop, fgpu.BEST[(dt, d)], *fgpu.LADDER_ORDER)))
     passed = order[:order.index(p.kernel)]
     assert [name for name, _ in p.passed_over] == passed
     for name, why in p.passed_over:
@@ -81,6 +82,9 @@ def test_each_gpu_gets_its_fastest_forward():
             bf16 = fgpu._forward_plan("bf16", d, True, "best", lim).kernel
             # rung 12 at d = 64 is built for three blocks per SM; where shared memory holds one, rung 11 runs
             fastest = "k_lanes" if _too_few_blocks(_rung(best[d]), d, lim) else best[d]
+            if lim.cc == 90:  # the recorded fastest Hopper rung, on sm_90 only
+                fastest = fgpu.HOPPER_BEST[("f16", d)]
+                assert fgpu.HOPPER_BEST[("bf16", d)] == fastest
             assert (fp16, bf16) == (("turing", "smem_tiles") if lim.cc < 80 else (fastest, fastest)), (lim, d)
             assert fgpu._forward_plan("f32", d, True, "best", lim).kernel == "smem_tiles"
     # with scale <= 0 the raw-max rungs step aside; on sm_80 rung 10 (like rung 9) is also passed over for its spills
@@ -170,8 +174,8 @@ def gpu_like(monkeypatch):
     files = {p.read_text(): p.name for p in fgpu.KERNEL_DIR.glob("*.cu")}
 
     class Module:
-        def __init__(self, code, options=()):
-            self.file = files[code]
+        def __init__(self, code, options=(), file=None):
+            self.file = file or files[code]
 
         def get_function(self, name):
             def launch(grid, block, args, shared_mem=0):
@@ -187,6 +191,10 @@ def gpu_like(monkeypatch):
                            "MaxRegistersPerBlock": lim.regs_per_block, "MaxThreadsPerBlock": lim.threads_per_block}})
         cp.cuda.Device = device
         monkeypatch.setitem(sys.modules, "cupy", cp)
+        # the sm_90a rungs (an H100's "best"): NVRTC's build and the driver's tensor maps stand in the same way
+        monkeypatch.setattr(hopper, "module", lambda file, defines=(): Module(None, file=file))
+        monkeypatch.setattr(hopper, "_encode", hopper.host_tensor_map)
+        monkeypatch.setattr(hopper, "_MAPS", {})
         for cache in ("_FUNCTIONS", "_CAPABILITY", "_SM_COUNT", "_LIMITS"):
             monkeypatch.setattr(fgpu, cache, {})
         fgpu._module.cache_clear()

@@ -227,6 +227,19 @@ def test_best_rung_is_the_one_the_probe_run_chooses():
         assert fgpu.BEST[("f16", d)] == fgpu.BEST[("bf16", d)] == choice, (d, choice)
 
 
+def test_hopper_best_is_the_one_the_h200_run_chooses():
+    """HOPPER_BEST is what ``fastest_rung`` picks among the Hopper rungs from the H200 run that timed them side by
+    side (every dtype, n, mask and protocol), and that run is an sm_90 one."""
+    record = records.read_record(forward.HOPPER_PROBE)
+    assert str(record["provenance"]["compute_capability"]) == "90"
+    rows = [r for r in record["rows"] if "error" not in r]
+    rungs = [name for name in fgpu.HOPPER_RUNGS if name in {r["impl"] for r in rows}]
+    assert rungs == list(fgpu.HOPPER_RUNGS)
+    for d in fgpu.HEAD_DIMS:
+        choice = forward.fastest_rung(rows, d, rungs)
+        assert fgpu.HOPPER_BEST[("f16", d)] == fgpu.HOPPER_BEST[("bf16", d)] == choice, (d, choice)
+
+
 def test_fastest_rung_needs_a_margin_to_move_on():
     """The rule itself, on made-up rows: a later rung 0.5 % faster does not replace the earlier one; 5 % faster does."""
     def rows(later_ms):

@@ -88,12 +88,16 @@ def test_gpu_provenance_names_the_machine_the_versions_and_the_kernels(fake_cupy
     prov = records.gpu_provenance("python -m flashlab bench forward --repeat 20")
     assert prov["command"] == "python -m flashlab bench forward --repeat 20"
     for key in ("date_utc", "gpu", "compute_capability", "cuda_runtime", "cuda_driver_api", "cupy", "numpy",
-                "python", "nvidia_smi", "torch", "git_commit"):
+                "python", "nvidia_smi", "torch", "git_commit", "git_dirty"):
         assert key in prov, key
     assert prov["gpu"] == "host emulation (no GPU)" and prov["cupy"] == "hostemu"
-    assert prov["kernel_sha256"] == {r.file: hashlib.sha256(r.source().encode()).hexdigest()[:16]
-                                     for r in fgpu.RUNGS.values()}
-    assert set(prov["kernel_sha256"]) == {r.file for r in fgpu.RUNGS.values()}
+    hopper = sorted(fgpu.KERNEL_DIR.glob("hopper/*.cu*"))
+    assert prov["kernel_sha256"] == {
+        **{r.file: hashlib.sha256(r.source().encode()).hexdigest()[:16] for r in fgpu.RUNGS.values()},
+        **{f"hopper/{p.name}": hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in hopper}}
+    # every Hopper rung and header is named, so a record says which version of them it timed
+    assert {r.file for r in fgpu.HOPPER_RUNGS.values()} | {"hopper/wgmma.cuh", "hopper/tma.cuh"} <= set(
+        prov["kernel_sha256"])
 
 
 def test_write_read_and_print_a_record(tmp_path, monkeypatch, capsys):

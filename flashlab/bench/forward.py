@@ -180,6 +180,8 @@ RUNG_PROBE = "benchmarks/r10_probe"
 # The run that timed rung 12 beside rung 11 and both SDPA backends, fp16 and bf16, both protocols: where "best" was
 # chosen (flashlab.gpu.BEST, by ``fastest_rung``).
 BEST_PROBE = "benchmarks/r12_probe"
+# The run that timed the Hopper rungs side by side on an H200 (flashlab.gpu.HOPPER_BEST, by ``fastest_rung``).
+HOPPER_PROBE = "benchmarks/hopper"
 # A later rung replaces an earlier one only if it is faster by more than this (geometric mean over a run's rows):
 # two rungs of one run closer than that swap places from run to run.
 TIE = 0.01

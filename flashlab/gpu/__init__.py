@@ -150,6 +150,10 @@ REGISTER_CAPS = {"hopper/h3_warp_specialized.cu": 168}
 # tensor-core rung.
 BEST = {("f32", 64): "smem_tiles", ("f32", 128): "smem_tiles",
         ("f16", 64): "three_blocks", ("f16", 128): "k_lanes", ("bf16", 64): "three_blocks", ("bf16", 128): "k_lanes"}
+# The fastest Hopper rung per (dtype, d), which "best" runs on sm_90 (compute capability 9.0) only: by
+# flashlab.bench.forward.fastest_rung over data/benchmarks/hopper.json (rungs H1-H3, rungs 11-12 and SDPA in one
+# run on an H200, fp16 and bf16, both protocols).
+HOPPER_BEST = {("f16", 64): "tma", ("f16", 128): "tma", ("bf16", 64): "tma", ("bf16", 128): "tma"}
 # (file, d) -> the blocks per SM a rung is built for at d: "best" passes it over where the GPU's shared memory per SM
 # holds fewer of its blocks (a choice of speed, not of correctness: named, it runs). Rung 12 at d = 64 needs 50 KB
 # a block: three fit on sm_80 (164 KB per SM) and sm_90 (228 KB), one on sm_86/89 (100 KB), where rung 11's 48 KB
@@ -609,8 +613,12 @@ def _forward_plan(dt: str, d: int, positive_scale: bool, kernel: str | Rung, lim
     else:
         if kernel != "best" and kernel not in RUNGS:
             raise ValueError(f"unknown kernel {kernel!r}; choose 'best' or one of {sorted([*RUNGS, *HOPPER_RUNGS])}")
-        order = dict.fromkeys((BEST[(dt, d)], *LADDER_ORDER))
-        candidates, requested = {name: RUNGS.get(name) or PLANNED_VARIANTS[name] for name in order}, kernel
+        # On sm_90 the recorded fastest Hopper rung comes first; elsewhere it is not a candidate at all, so the
+        # plans (and what they pass over) of every other GPU are the ladder's alone.
+        hop = (HOPPER_BEST[(dt, d)],) if (dt, d) in HOPPER_BEST and hopper_problem(lim) is None else ()
+        order = dict.fromkeys((*hop, BEST[(dt, d)], *LADDER_ORDER))
+        candidates = {name: RUNGS.get(name) or HOPPER_RUNGS.get(name) or PLANNED_VARIANTS[name] for name in order}
+        requested = kernel
     name, rung, passed = choose("forward", candidates,
                                 lambda _, r, best: forward_problem(r, dt, d, positive_scale, lim, best), requested,
                                 lim)
