@@ -128,6 +128,11 @@ HOPPER_RUNGS = {
                          -(-((128 + 4 * 64) * 128 * 2 + 1024 + 64) // 128)),
                         "warp specialisation: a producer warpgroup issues the copies into a ring, two consumers "
                         "compute; full and empty mbarriers per stage"),
+    "overlap": Rung("overlap", "hopper/h4_overlap.cu", 128, 384, ("f16", "bf16"), 90,
+                    (-(-((128 + 4 * 128) * 64 * 2 + 1024 + 64) // 64),
+                     -(-((128 + 4 * 128) * 128 * 2 + 1024 + 64) // 128)),
+                    "overlap: each consumer's softmax runs under its next products, and the two consumers take "
+                    "turns at the tensor cores (ping-pong, named barriers); 128-key tiles"),
 }
 
 
@@ -142,7 +147,7 @@ def hopper_problem(lim: DeviceLimits | None = None) -> str | None:
 
 # Kernels built with __launch_bounds__(threads, 1) for blocks of more than 256 threads: ptxas caps their registers at
 # 65536 / threads (rounded down to 8), so such a block fits the register file where 255 a thread would not.
-REGISTER_CAPS = {"hopper/h3_warp_specialized.cu": 168}
+REGISTER_CAPS = {"hopper/h3_warp_specialized.cu": 168, "hopper/h4_overlap.cu": 168}
 # The fastest rung per (dtype, d), by flashlab.bench.forward.fastest_rung over data/benchmarks/r12_probe.json (rungs 11
 # and 12 and SDPA in one run, fp16 and bf16, both protocols): rung 12 at d = 64 (about 10 % faster), rung 11 at
 # d = 128, where the two are within 1 % (there rung 12 differs from rung 11 only in packing P early). Rung 11 was
@@ -980,7 +985,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kern
         from . import hopper
 
         if rung.file in hopper.TMA_FILES:  # these take tensor maps of q, k and v
-            q, k, v = hopper.tma_maps(q, k, v, dt, d)
+            q, k, v = hopper.tma_maps(q, k, v, dt, d, rung.file)
     args = (q, k, v, o, lse, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk), np.float32(scale),
             np.int32(bool(causal)))
     kern(grid, (rung.threads,), args, shared_mem=rung.shared_bytes(d))

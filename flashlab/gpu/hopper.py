@@ -162,7 +162,8 @@ def emulated_attention(q, k, v, *, causal: bool = False, scale: float | None = N
     if spec.file in TMA_FILES:  # the emulation's own tensor maps (host_tensor_map) over the NumPy arrays
         inputs = [np.frombuffer(host_tensor_map(x.ctypes.data, d, x.shape[-2], x.size // (d * x.shape[-2]), "f16",
                                                 box), dtype=TENSOR_MAP_DTYPE)[0]
-                  for x, box in zip(arrays, (QUERY_TILE, KEY_TILE[d], KEY_TILE[d]), strict=True)]
+                  for x, box in zip(arrays, (QUERY_TILE, key_tile(spec.file, d), key_tile(spec.file, d)),
+                                    strict=True)]
     hostcuda.Kernel(lib, name)(grid, (spec.threads,), (*inputs, o, lse, np.int32(n), np.int32(m), np.int32(H),
                                                        np.int32(Hk), np.float32(check_scale(scale, d)),
                                                        np.int32(bool(causal))))
@@ -171,9 +172,10 @@ def emulated_attention(q, k, v, *, causal: bool = False, scale: float | None = N
 
 # ------------------------------------------------------------------------------------------- tensor maps (TMA)
 #: The files whose kernels take tensor maps for q, k and v instead of pointers.
-TMA_FILES = frozenset({"hopper/h2_tma.cu", "hopper/h3_warp_specialized.cu"})
-#: Keys per tile of the Hopper rungs at each head dimension (their BC).
+TMA_FILES = frozenset({"hopper/h2_tma.cu", "hopper/h3_warp_specialized.cu", "hopper/h4_overlap.cu"})
+#: Keys per tile of the Hopper rungs at each head dimension (their BC); rung 4 takes 128 at both.
 KEY_TILE = {64: 128, 128: 64}
+KEY_TILE_OF = {"hopper/h4_overlap.cu": {64: 128, 128: 128}}
 QUERY_TILE = 64
 PANEL = 64  # columns of one box: one 128-byte row of 16-bit elements, the span of the 128-byte swizzle
 #: A tensor map as a kernel argument: 128 bytes passed by value (CuPy passes a NumPy structured scalar's bytes).
@@ -221,9 +223,15 @@ def tensor_map(x, dt: str, box_rows: int):
     return value
 
 
-def tma_maps(q, k, v, dt: str, d: int) -> tuple:
-    """The three tensor maps a TMA rung takes in place of q, k and v."""
-    return (tensor_map(q, dt, QUERY_TILE), tensor_map(k, dt, KEY_TILE[d]), tensor_map(v, dt, KEY_TILE[d]))
+def key_tile(file: str, d: int) -> int:
+    """Keys per tile (the rows of a K or V box) of the Hopper kernel file ``file`` at head dimension ``d``."""
+    return KEY_TILE_OF.get(file, KEY_TILE)[d]
+
+
+def tma_maps(q, k, v, dt: str, d: int, file: str) -> tuple:
+    """The three tensor maps the TMA rung of ``file`` takes in place of q, k and v."""
+    bc = key_tile(file, d)
+    return (tensor_map(q, dt, QUERY_TILE), tensor_map(k, dt, bc), tensor_map(v, dt, bc))
 
 
 def host_tensor_map(ptr: int, d: int, rows: int, heads: int, dt: str, box_rows: int) -> bytes:

@@ -359,6 +359,50 @@ inline bool mbar_try_wait(unsigned bar, unsigned parity) {
     }
     return done;
 }
+// Named barriers (bar.sync / bar.arrive id, count): a phase completes when `count` threads have reached barrier
+// `id`; bar.sync waits for that, bar.arrive does not. Reset for each block; a block that ends with arrivals still
+// pending on one (a bar.arrive no bar.sync matched) is reported, as is a minute's wait.
+struct HostNamedBar { unsigned arrived = 0, phase = 0; };
+inline HostNamedBar g_named[16];
+inline std::mutex g_named_mutex;
+inline std::condition_variable g_named_done;
+inline bool named_bar_reach(int id, int count) {  // with g_named_mutex held; true if this arrival completed it
+    if (id < 0 || id > 15 || count <= 0 || count % 32) {
+        std::fprintf(stderr, "hostcuda: named barrier %d for %d threads (ids are 0-15, counts multiples of 32)\n", id,
+                     count);
+        std::abort();
+    }
+    HostNamedBar& b = g_named[id];
+    if (++b.arrived < (unsigned)count) return false;
+    b.arrived = 0;
+    ++b.phase;
+    g_named_done.notify_all();
+    return true;
+}
+inline void named_bar_arrive(int id, int count) {
+    std::lock_guard<std::mutex> lock(g_named_mutex);
+    named_bar_reach(id, count);
+}
+inline void named_bar_sync(int id, int count) {
+    std::unique_lock<std::mutex> lock(g_named_mutex);
+    const unsigned phase = g_named[id].phase;
+    if (named_bar_reach(id, count)) return;
+    if (!g_named_done.wait_for(lock, std::chrono::seconds(60), [&] { return g_named[id].phase != phase; })) {
+        std::fprintf(stderr, "hostcuda: thread %u of block (%u, %u, %u) waited 60 s at named barrier %d: a deadlock\n",
+                     threadIdx.x, blockIdx.x, blockIdx.y, blockIdx.z, id);
+        std::abort();
+    }
+}
+inline void named_bars_check_clear() {
+    for (int id = 0; id < 16; ++id)
+        if (g_named[id].arrived) {
+            std::fprintf(stderr, "hostcuda: block (%u, %u, %u) ended with %u arrivals pending at named barrier %d "
+                         "(a bar.arrive that no bar.sync matched)\n", blockIdx.x, blockIdx.y, blockIdx.z,
+                         g_named[id].arrived, id);
+            std::abort();
+        }
+    for (auto& b : g_named) b = HostNamedBar{};
+}
 template <class Map>
 inline void tma_load_3d(unsigned dst, const Map* map, int x, int y, int z, unsigned bar) {
     const unsigned long long* m = (const unsigned long long*)map;
@@ -433,6 +477,7 @@ void launch(void (*k)(A...), unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                         g_wg_bar[t / 128]->arrive_and_drop();
                     });
                 for (auto& th : ts) th.join();
+                named_bars_check_clear();
 #endif
             }
 }

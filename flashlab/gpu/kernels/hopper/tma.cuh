@@ -62,3 +62,13 @@ template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
 }
+
+// Named barriers (ids 1-15; __syncthreads is 0) for `count` threads, a multiple of 32: bar.sync waits until
+// `count` threads have reached the barrier, bar.arrive counts this thread and goes on. Two warpgroups take turns
+// with them (rung 4): one waits on its barrier, the other arrives on it when its turn is over.
+__device__ __forceinline__ void named_bar_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
