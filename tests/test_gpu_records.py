@@ -240,6 +240,30 @@ def test_hopper_best_is_the_one_the_h200_run_chooses():
         assert fgpu.HOPPER_BEST[("f16", d)] == fgpu.HOPPER_BEST[("bf16", d)] == choice, (d, choice)
 
 
+def test_chapter_11_statements_hold_in_the_h200_run():
+    """What chapter 11 says of the recorded Hopper run, row by row (both dtypes, every n and mask, both protocols):
+    a re-recorded run that contradicts the text fails here."""
+    rows = [r for r in records.read_record(forward.HOPPER_PROBE)["rows"] if "error" not in r]
+    t = {(r["impl"], r["dtype"], r["d"], r["n"], r["causal"], records.protocol_of(r)): r["tflops"] for r in rows}
+    shapes = {k[1:] for k in t}
+    assert {s[1] for s in shapes} == {64, 128} and {s[4] for s in shapes} == set(records.PROTOCOLS)
+
+    def at(impl, shape):
+        return t[(impl, *shape)]
+
+    hopper = list(fgpu.HOPPER_RUNGS)
+    for s in shapes:
+        assert at("tma", s) > at("wgmma", s) and at("tma", s) > at("sdpa_flash", s), s
+        if s[1] == 128:
+            assert at("wgmma", s) < at("three_blocks", s), s  # H1 does not pass rung 12 at d = 128
+            assert at("specialized", s) <= 1.02 * at("tma", s), s  # H3 gains nothing over H2
+            assert all(at("sdpa_cudnn", s) > at(h, s) for h in hopper), s
+            if not s[3] and s[2] >= 4096:  # H4 level with or ahead of every rung without the mask
+                assert all(at("overlap", s) >= 0.98 * at(h, s) for h in hopper), s
+        else:
+            assert at("overlap", s) < at("tma", s), s  # at d = 64 H4 is behind H2 everywhere
+
+
 def test_fastest_rung_needs_a_margin_to_move_on():
     """The rule itself, on made-up rows: a later rung 0.5 % faster does not replace the earlier one; 5 % faster does."""
     def rows(later_ms):
