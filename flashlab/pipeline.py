@@ -7,13 +7,20 @@ completed phases; ``try_wait(parity)`` is true once the phase of that parity has
 can ask. :func:`ring_schedule` says which parity each wait of tile t needs; :func:`simulate` runs the protocol
 under random interleavings and reports the first thing that goes wrong with a given schedule: a consumer reading a
 stage before its tile landed or after the next one overwrote it, a copy into a stage still in use, or a deadlock.
+
+Rung H4 (kernels/hopper/h4_overlap.cu) adds turns: its two consumers take turns at the tensor cores through named
+barriers (ping-pong). :func:`pingpong_ops` lists each consumer's bar.sync, bar.arrive and products in order;
+:func:`simulate_turns` runs such lists and reports a deadlock, an arrival left pending at the end, or products
+issued outside a turn.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+import numpy as np
 
 
 class MBarrier:
@@ -137,3 +144,123 @@ def simulate(tiles: int, stages: int, consumers: int = 2, *, schedule: Callable[
             return Outcome(False, f"deadlock: producer at tile {produced}, consumers at {consumed}, every wait false",
                            step)
     return Outcome(False, f"no end after {max_steps} steps", max_steps)
+
+
+# ------------------------------------------------------------------------------------ ping-pong: named barriers
+# Rung H4 (kernels/hopper/h4_overlap.cu) makes its two consumer warpgroups take turns at the tensor cores: named
+# barrier 1 + c means "consumer c may issue". Named barrier 0 is the one __syncthreads() uses for the whole block.
+TURN_OPS = ("sync", "arrive")
+NAMED_BARRIERS = 16  # bar.sync / bar.arrive take barriers 0 .. 15
+
+
+def pingpong_ops(consumer: int, ntiles: int, my_tiles: int) -> list[tuple[str, int]]:
+    """What consumer ``consumer`` (0 or 1) of rung H4 does with the named barriers and the tensor cores, in order.
+
+    Consumer 1 first arrives once on barrier 1, so that consumer 0 takes the first turn. Both then take the turns
+    t = 0 .. ntiles, each ``("sync", own barrier)``, the products of the turn — ``("S", t)`` for S_t = Q K_t^T when
+    t < my_tiles, ``("PV", t - 1)`` for O += P_{t-1} V_{t-1} when 0 < t <= my_tiles — and ``("arrive", the other's
+    barrier)``, except consumer 1's last turn, which hands over to no one. ``my_tiles`` (at most ``ntiles``, the
+    block's key tiles) is where the consumer's causal rows end: its later turns are taken empty, so that every
+    bar.sync has its bar.arrive.
+    """
+    for name, value in (("consumer", consumer), ("ntiles", ntiles), ("my_tiles", my_tiles)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an integer; got {value!r}")
+    if consumer not in (0, 1) or not 0 <= my_tiles <= ntiles:
+        raise ValueError(f"expected consumer 0 or 1 and 0 <= my_tiles <= ntiles; got consumer={consumer}, "
+                         f"ntiles={ntiles}, my_tiles={my_tiles}")
+    mine, other = 1 + consumer, 2 - consumer
+    ops: list[tuple[str, int]] = [("arrive", 1)] if consumer == 1 else []
+    for t in range(ntiles + 1):
+        ops.append(("sync", mine))
+        if t < my_tiles:
+            ops.append(("S", t))
+        if 0 < t <= my_tiles:
+            ops.append(("PV", t - 1))
+        if not (consumer == 1 and t == ntiles):
+            ops.append(("arrive", other))
+    return ops
+
+
+def _checked_program(ops: Sequence, who: str) -> list[tuple[str, int]]:
+    if isinstance(ops, (str, bytes)) or not isinstance(ops, Sequence):
+        raise TypeError(f"{who}'s program must be a list of (name, number) ops; got {type(ops).__name__}")
+    out = []
+    for i, op in enumerate(ops):
+        if isinstance(op, (str, bytes)) or not isinstance(op, Sequence) or len(op) != 2:
+            raise ValueError(f"{who}'s op {i} is {op!r}: an op is a pair (name, number), e.g. ('sync', 1)")
+        name, number = op
+        if not isinstance(name, str) or not isinstance(number, (int, np.integer)) or isinstance(number, bool):
+            raise ValueError(f"{who}'s op {i} is {op!r}: an op is a pair (name, number), e.g. ('sync', 1)")
+        if name in TURN_OPS and not 0 <= number < NAMED_BARRIERS:
+            raise ValueError(f"{who}'s op {i} is {op!r}: named barriers are 0 .. {NAMED_BARRIERS - 1}")
+        out.append((name, int(number)))
+    return out
+
+
+def simulate_turns(programs: Sequence[Sequence[tuple[str, int]]], *, count: int = 2, seed: int = 0,
+                   who: str = "consumer") -> Outcome:
+    """Run the named-barrier programs of warpgroups (one list of ops each, e.g. :func:`pingpong_ops` of each
+    consumer) under a random interleaving (``seed``), and report the first thing that goes wrong.
+
+    ``("sync", b)`` is bar.sync: arrive at barrier b and wait until ``count`` warpgroups have arrived there (rung
+    H4's count of 256 threads is its 2 consumer warpgroups); ``("arrive", b)`` is bar.arrive: arrive without
+    waiting. When the count is reached the barrier completes, releases its waiters and starts counting afresh. Any
+    other op ``(name, number)`` is work a warpgroup issues in its turn, which lasts from the completion of its
+    bar.sync to its next barrier op. The problems: work issued outside a turn or while another warpgroup holds the
+    turn, barrier 0 (``__syncthreads()``'s, for the whole block) used for turns, a deadlock (every warpgroup that
+    has not finished waits at a bar.sync), and an arrival no bar.sync matched when every program has ended (the
+    host emulation reports that at a block's end: the barrier would carry it into its next use).
+    """
+    if count < 1:
+        raise ValueError(f"a barrier completes on at least one arrival; got count={count}")
+    progs = [_checked_program(p, f"{who} {i}") for i, p in enumerate(programs)]
+    rng = random.Random(seed)
+    k = len(progs)
+    pc, turn, holds = [0] * k, [0] * k, [False] * k
+    waiting: list[int | None] = [None] * k
+    arrived: dict[int, list[int]] = {}  # barrier -> warpgroups arrived in its current phase
+    step = 0
+    while True:
+        ready = [i for i in range(k) if pc[i] < len(progs[i]) and waiting[i] is None]
+        if not ready:
+            blocked = [i for i in range(k) if waiting[i] is not None]
+            if blocked:
+                where = ", ".join(f"{who} {i} waits at bar.sync {waiting[i]} in its turn {turn[i] - 1} "
+                                  f"({len(arrived[waiting[i]])} of {count} arrivals)" for i in blocked)
+                done = [str(i) for i in range(k) if waiting[i] is None]
+                gone = f"; {who} {', '.join(done)} has finished" if done else ""
+                return Outcome(False, f"deadlock: {where}{gone}; the arrival each bar.sync waits for never comes",
+                               step)
+            left = {b: ids for b, ids in arrived.items() if ids}
+            if left:
+                b, ids = min(left.items())
+                whose = " and ".join(f"{who} {i}" for i in ids)
+                return Outcome(False, f"an arrival is left pending when the block ends: barrier {b} holds the "
+                                      f"bar.arrive of {whose}, which no bar.sync matched", step)
+            return Outcome(True, steps=step)
+        i = rng.choice(ready)
+        name, number = progs[i][pc[i]]
+        pc[i] += 1
+        step += 1
+        if name in TURN_OPS:
+            if number == 0:
+                return Outcome(False, f"{who} {i} used named barrier 0 for its turns: barrier 0 is "
+                                      "__syncthreads()'s, for every thread of the block", step)
+            holds[i] = False
+            arrived.setdefault(number, []).append(i)
+            if name == "sync":
+                waiting[i] = number
+                turn[i] += 1
+            if len(arrived[number]) == count:
+                for j in range(k):
+                    if waiting[j] == number:
+                        waiting[j], holds[j] = None, True
+                arrived[number] = []
+            continue
+        if not holds[i]:
+            return Outcome(False, f"{who} {i} issued {name}_{number} outside its turn (no bar.sync of its own has "
+                                  "completed since it last handed the turn over)", step)
+        others = [j for j in range(k) if j != i and holds[j]]
+        if others:
+            return Outcome(False, f"{who} {i} issued {name}_{number} while {who} {others[0]} holds the turn", step)

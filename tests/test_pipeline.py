@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 import pytest
 
@@ -57,3 +58,93 @@ def test_each_wrong_parity_is_caught(name, schedule, symptom):
     bad = [p for p in problems if p]
     assert bad, f"{name}: no interleaving of 40 went wrong"
     assert any(symptom in p for p in bad), (name, bad[:3])
+
+
+# ------------------------------------------------------------------------------------ ping-pong: named barriers
+KERNEL_H4 = pathlib.Path(pipeline.__file__).parent / "gpu" / "kernels" / "hopper" / "h4_overlap.cu"
+
+
+def test_pingpong_ops_are_the_turns_chapter_11_prints():
+    ntiles = 4  # chapter 11's table: turn t issues S_t if t < ntiles, then P_{t-1} V_{t-1} if t > 0
+    for c in (0, 1):
+        ops = pipeline.pingpong_ops(c, ntiles, ntiles)
+        assert ops[:1] == ([("arrive", 1)] if c == 1 else [("sync", 1)])
+        turns = [[]]
+        for op in ops[1 if c == 1 else 0:]:
+            if op[0] == "sync" and turns[-1]:
+                turns.append([])
+            turns[-1].append(op)
+        assert len(turns) == ntiles + 1
+        for t, turn in enumerate(turns):
+            work = [("S", t)] * (t < ntiles) + [("PV", t - 1)] * (t > 0)
+            hand = [] if (c == 1 and t == ntiles) else [("arrive", 2 - c)]
+            assert turn == [("sync", 1 + c), *work, *hand], (c, t, turn)
+
+
+def test_a_consumer_past_its_causal_end_takes_empty_turns():
+    ops = pipeline.pingpong_ops(0, 3, 1)
+    assert ops == [("sync", 1), ("S", 0), ("arrive", 2), ("sync", 1), ("PV", 0), ("arrive", 2),
+                   ("sync", 1), ("arrive", 2), ("sync", 1), ("arrive", 2)]
+    assert pipeline.pingpong_ops(1, 0, 0) == [("arrive", 1), ("sync", 2)]  # a block whose rows see no key
+
+
+def test_pingpong_ops_follow_the_kernel_source():
+    """The model's rules, as rung H4 writes them (a recorded kernel does not change, so neither may these)."""
+    src = KERNEL_H4.read_text()
+    for line in ("const int mine = 1 + c, other = 2 - c;",  # barrier 1 + c: consumer c may issue
+                 "if (c == 1) named_bar_arrive(1, 256);",  # consumer 0 takes the first turn
+                 "if (!(c == 1 && t == ntiles)) named_bar_arrive(other, 256);",  # the last turn hands over to no one
+                 "for (; t <= ntiles; ++t) {"):  # turns past the causal end are still taken
+        assert line in src, line
+    assert src.count("named_bar_sync(mine, 256);") == 4  # turn 0, middle turns, the last product, empty turns
+
+
+@pytest.mark.parametrize("bad", [dict(consumer=2, ntiles=3, my_tiles=3), dict(consumer=0, ntiles=2, my_tiles=3),
+                                 dict(consumer=1, ntiles=-1, my_tiles=0)])
+def test_pingpong_ops_refuse_impossible_blocks(bad):
+    with pytest.raises(ValueError, match="my_tiles <= ntiles"):
+        pipeline.pingpong_ops(**bad)
+    with pytest.raises(TypeError, match="integer"):
+        pipeline.pingpong_ops(0, 2.0, 1)
+
+
+@pytest.mark.parametrize("ntiles", [0, 1, 2, 5])
+def test_the_course_s_turns_run_to_the_end(ntiles):
+    for mine in range(ntiles + 1):
+        programs = [pipeline.pingpong_ops(0, ntiles, mine), pipeline.pingpong_ops(1, ntiles, ntiles)]
+        for seed in range(20):
+            out = pipeline.simulate_turns(programs, seed=seed)
+            assert out.ok and out.steps == sum(map(len, programs)), (ntiles, mine, seed, out.problem)
+
+
+def _drop_first_arrive(ops):
+    return ops[1:] if ops[:1] == [("arrive", 1)] else ops
+
+
+@pytest.mark.parametrize("name,consumer0,consumer1,symptom", [
+    ("no first arrival", pipeline.pingpong_ops(0, 3, 3), _drop_first_arrive(pipeline.pingpong_ops(1, 3, 3)),
+     "deadlock: consumer 0 waits at bar.sync 1 in its turn 0"),
+    ("consumer 1 hands over after its last turn", pipeline.pingpong_ops(0, 3, 3),
+     pipeline.pingpong_ops(1, 3, 3) + [("arrive", 1)], "barrier 1 holds the bar.arrive of consumer 1"),
+    ("consumer 0 stops at its causal end", pipeline.pingpong_ops(0, 1, 1), pipeline.pingpong_ops(1, 3, 3),
+     "deadlock: consumer 1 waits at bar.sync 2 in its turn 2"),
+    ("hands over before issuing", [("sync", 1), ("arrive", 2), ("S", 0)], [("arrive", 1), ("sync", 2)],
+     "consumer 0 issued S_0 outside its turn"),
+    ("barrier 0", [("sync", 0), ("S", 0)], [("arrive", 0)], "barrier 0 is __syncthreads()'s"),
+    ("both hold the turn", [("sync", 1), ("S", 0)], [("sync", 1), ("S", 1)], "while consumer"),
+])
+def test_each_broken_handshake_is_caught(name, consumer0, consumer1, symptom):
+    problems = {pipeline.simulate_turns([consumer0, consumer1], seed=s).problem for s in range(10)}
+    assert "" not in problems, f"{name}: an interleaving ran to the end"
+    assert any(symptom in p for p in problems), (name, problems)
+
+
+def test_simulate_turns_refuses_malformed_programs():
+    with pytest.raises(ValueError, match="op 1 is 'x'"):
+        pipeline.simulate_turns([[("sync", 1), "x"]])
+    with pytest.raises(ValueError, match="named barriers are 0 .. 15"):
+        pipeline.simulate_turns([[("arrive", 16)]])
+    with pytest.raises(TypeError, match="list of"):
+        pipeline.simulate_turns([None])
+    with pytest.raises(ValueError, match="at least one arrival"):
+        pipeline.simulate_turns([[]], count=0)
