@@ -224,7 +224,7 @@ def _body_lines(name: str) -> list[str]:
     return [line for line in lines if len(line) > 20 and not line.startswith("#")]
 
 
-@pytest.mark.parametrize("lab_id", ["lab01", "lab02", "lab03", "lab04", "lab05", "lab07", "lab08", "lab10"])
+@pytest.mark.parametrize("lab_id", ["lab01", "lab02", "lab03", "lab04", "lab05", "lab07", "lab08", "lab10", "lab11"])
 def test_the_student_copy_has_no_answer_body(tmp_path, lab_id):
     package = answers.student_package(tmp_path, lab_id)
     assert package == tmp_path / "flashlab" and (package / "__init__.py").is_file()
