@@ -99,9 +99,15 @@ def test_rung_exact_tiles_masked_rows_and_huge_logits(rng, rung, dt):
 
 
 @pytest.mark.parametrize("rung", RUNGS)
-def test_rung_takes_a_negative_scale(rng, rung):
+def test_rung_takes_a_negative_scale_or_refuses_it(rng, rung):
+    import cupy as cp
     import test_gpu_attention as tga
 
+    if fgpu.HOPPER_RUNGS[rung].file in fgpu.HOPPER_POSITIVE_SCALE_ONLY:
+        q = cp.zeros((1, 2, 40, 64), cp.float16)
+        with pytest.raises(ValueError, match=rf"'{rung}' needs scale > 0"):
+            fgpu.attention(q, q, q, kernel=rung, scale=-0.125)
+        return
     tga._check(rng, rung, "f16", 1, 2, 1, 40, 70, 64, True, scale=-0.125)
 
 

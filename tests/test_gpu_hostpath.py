@@ -84,6 +84,7 @@ def stand_in(monkeypatch):
 
     monkeypatch.setattr(pathlib.Path, "read_text", read_text)
     monkeypatch.setitem(sys.modules, "cupy", cp)
+    hostemu.stand_in_hopper(monkeypatch)  # the stand-in device is sm_90, where "best" is a Hopper rung
     fgpu._module.cache_clear()
     monkeypatch.setattr(fgpu, "_FUNCTIONS", {})
     monkeypatch.setattr(fgpu, "_CAPABILITY", {})
@@ -101,8 +102,9 @@ def test_attention_builds_its_kernel_once_and_then_only_launches(stand_in):
     q, k, v = (_half(cp, 1, 2, 64, 128) for _ in range(3))
     out = (_half(cp, 1, 2, 64, 128), hostemu._wrap(np.empty((1, 2, 64), np.float32)))
     fgpu.attention(q, k, v, out=out)
-    rung = fgpu.RUNGS[fgpu.BEST[("f16", 128)]]
-    assert counts.reads == [rung.file] and counts.modules == 1 and counts.functions == 1
+    rung = fgpu.plan(q, k, v).spec  # the stand-in device is sm_90: a Hopper rung, with its tensor maps
+    assert rung.file.startswith("hopper/")
+    assert counts.reads == [pathlib.Path(rung.file).name] and counts.modules == 1 and counts.functions == 1
     assert counts.smem_sets == (rung.shared_bytes(128) > fgpu.STATIC_SMEM_LIMIT)
     before, launched = counts.snapshot(), len(counts.launches)
     for _ in range(3):

@@ -133,7 +133,19 @@ HOPPER_RUNGS = {
                      -(-((128 + 4 * 128) * 128 * 2 + 1024 + 64) // 128)),
                     "overlap: each consumer's softmax runs under its next products, and the two consumers take "
                     "turns at the tensor cores (ping-pong, named barriers); 128-key tiles"),
+    "three_stages": Rung("three_stages", "hopper/h5_three_stages.cu", 128, 384, ("f16", "bf16"), 90,
+                         (-(-((128 + 6 * 128) * 64 * 2 + 1024 + 128) // 64),
+                          -(-((128 + 6 * 128) * 128 * 2 + 1024 + 128) // 128)),
+                         "a third stage in the ring: each tile's copy has two turns to land"),
+    "fused_exp": Rung("fused_exp", "hopper/h6_fused_exp.cu", 128, 384, ("f16", "bf16"), 90,
+                      (-(-((128 + 6 * 128) * 64 * 2 + 1024 + 128) // 64),
+                       -(-((128 + 6 * 128) * 128 * 2 + 1024 + 128) // 128)),
+                      "the scale inside the exponential's FMA: the maximum over raw scores, one FFMA per score "
+                      "(scale > 0)"),
 }
+# Hopper rungs that keep the maximum of the raw scores, and so need scale > 0 (the plan refuses them otherwise;
+# "best" then runs rung H2).
+HOPPER_POSITIVE_SCALE_ONLY = frozenset({"hopper/h6_fused_exp.cu"})
 
 
 def hopper_problem(lim: DeviceLimits | None = None) -> str | None:
@@ -147,7 +159,8 @@ def hopper_problem(lim: DeviceLimits | None = None) -> str | None:
 
 # Kernels built with __launch_bounds__(threads, 1) for blocks of more than 256 threads: ptxas caps their registers at
 # 65536 / threads (rounded down to 8), so such a block fits the register file where 255 a thread would not.
-REGISTER_CAPS = {"hopper/h3_warp_specialized.cu": 168, "hopper/h4_overlap.cu": 168}
+REGISTER_CAPS = {"hopper/h3_warp_specialized.cu": 168, "hopper/h4_overlap.cu": 168,
+                 "hopper/h5_three_stages.cu": 168, "hopper/h6_fused_exp.cu": 168}
 # The fastest rung per (dtype, d), by flashlab.bench.forward.fastest_rung over data/benchmarks/r12_probe.json (rungs 11
 # and 12 and SDPA in one run, fp16 and bf16, both protocols): rung 12 at d = 64 (about 10 % faster), rung 11 at
 # d = 128, where the two are within 1 % (there rung 12 differs from rung 11 only in packing P early). Rung 11 was
@@ -600,7 +613,8 @@ def forward_problem(rung: Rung, dt: str, d: int, positive_scale: bool, lim: Devi
     if problem is None and avoid_spills and compiled_arch(lim.cc) in SPILLS.get((rung.file, rung.defines, d), ()):
         problem = (f"spills registers at d = {d} on sm_{compiled_arch(lim.cc)} (more than the "
                    f"{MAX_REGISTERS_PER_THREAD} registers a thread may hold; flashlab.gpu.SPILLS)")
-    if problem is None and not positive_scale and rung.file in {RUNGS[n].file for n in POSITIVE_SCALE_ONLY}:
+    if problem is None and not positive_scale and (rung.file in HOPPER_POSITIVE_SCALE_ONLY
+                                                   or rung.file in {RUNGS[n].file for n in POSITIVE_SCALE_ONLY}):
         return "needs scale > 0 (it keeps the max of unscaled scores)"
     want = BLOCKS_PER_SM.get((rung.file, d))
     if problem is None and avoid_spills and want and (fit := blocks_per_sm_by_shared(rung.shared_bytes(d), lim)) < want:
@@ -620,7 +634,7 @@ def _forward_plan(dt: str, d: int, positive_scale: bool, kernel: str | Rung, lim
             raise ValueError(f"unknown kernel {kernel!r}; choose 'best' or one of {sorted([*RUNGS, *HOPPER_RUNGS])}")
         # On sm_90 the recorded fastest Hopper rung comes first; elsewhere it is not a candidate at all, so the
         # plans (and what they pass over) of every other GPU are the ladder's alone.
-        hop = (HOPPER_BEST[(dt, d)],) if (dt, d) in HOPPER_BEST and hopper_problem(lim) is None else ()
+        hop = (HOPPER_BEST[(dt, d)], "tma") if (dt, d) in HOPPER_BEST and hopper_problem(lim) is None else ()
         order = dict.fromkeys((*hop, BEST[(dt, d)], *LADDER_ORDER))
         candidates = {name: RUNGS.get(name) or HOPPER_RUNGS.get(name) or PLANNED_VARIANTS[name] for name in order}
         requested = kernel

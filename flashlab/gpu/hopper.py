@@ -173,10 +173,11 @@ def emulated_attention(q, k, v, *, causal: bool = False, scale: float | None = N
 
 # ------------------------------------------------------------------------------------------- tensor maps (TMA)
 #: The files whose kernels take tensor maps for q, k and v instead of pointers.
-TMA_FILES = frozenset({"hopper/h2_tma.cu", "hopper/h3_warp_specialized.cu", "hopper/h4_overlap.cu"})
-#: Keys per tile of the Hopper rungs at each head dimension (their BC); rung 4 takes 128 at both.
+TMA_FILES = frozenset({"hopper/h2_tma.cu", "hopper/h3_warp_specialized.cu", "hopper/h4_overlap.cu",
+                       "hopper/h5_three_stages.cu", "hopper/h6_fused_exp.cu"})
+#: Keys per tile of the Hopper rungs at each head dimension (their BC); from rung 4 on, 128 at both.
 KEY_TILE = {64: 128, 128: 64}
-KEY_TILE_OF = {"hopper/h4_overlap.cu": {64: 128, 128: 128}}
+KEY_TILE_OF = {f"hopper/{name}.cu": {64: 128, 128: 128} for name in ("h4_overlap", "h5_three_stages", "h6_fused_exp")}
 QUERY_TILE = 64
 PANEL = 64  # columns of one box: one 128-byte row of 16-bit elements, the span of the 128-byte swizzle
 #: A tensor map as a kernel argument: 128 bytes passed by value (CuPy passes a NumPy structured scalar's bytes).

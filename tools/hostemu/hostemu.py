@@ -142,6 +142,18 @@ def fake_cupy() -> types.ModuleType:
     return mod
 
 
+def stand_in_hopper(monkeypatch) -> None:
+    """For a test whose stand-in ``cupy`` (``fake_cupy``, device sm_90 by default) picks a Hopper rung: the sm_90a
+    files go to ``cupy.RawModule`` as one text, as every other file does (NVRTC needs CuPy's real binding), and
+    tensor maps are the emulation's own (the driver binding needs a driver)."""
+    from flashlab.gpu import hopper
+
+    monkeypatch.setattr(hopper, "module",
+                        lambda file, defines=(): sys.modules["cupy"].RawModule(hopper.inlined_source(file), defines))
+    monkeypatch.setattr(hopper, "_encode", hopper.host_tensor_map)
+    monkeypatch.setattr(hopper, "_MAPS", {})
+
+
 def install(real_forward: bool = False) -> None:
     """Make ``import cupy`` give the stand-in; unless ``real_forward``, the forward is the float64 reference."""
     import flashlab.gpu as fgpu
