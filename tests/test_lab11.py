@@ -55,8 +55,14 @@ def test_the_budget_is_rung_h4_s_layout_and_the_host_sizing():
 
 
 def test_rung_h4_s_tiles_leave_room_for_a_third_stage_on_an_h100_at_d_128():
-    """What the lab's last cell prints and its check-yourself answer 4 uses."""
+    """What the lab's last cell prints and its check-yourself answer 4 uses: rung H5 takes that third stage, within
+    what the host reserves for it and what an H100's block may have."""
     assert lab11._stages_that_fit(128, 128, 128, lab11.H100_SMEM) == 3
+    assert "#define STAGES 3" in (KERNEL_DIR / "hopper" / "h5_three_stages.cu").read_text()
+    for d in (64, 128):
+        reserved = HOPPER_RUNGS["three_stages"].shared_bytes(d)
+        assert lab11._ring_bytes(d, 128, 128, 3) <= reserved <= lab11.H100_SMEM
+        assert lab11._stages_that_fit(d, 128, 128, reserved) == 3
     assert lab11._stages_that_fit(64, 128, 128, lab11.H100_SMEM) == 6
     three = lab11._ring_bytes(128, 128, 128, 3)
     assert three == 230_480 and three + 128 * 128 * 2 > lab11.H100_SMEM
