@@ -74,7 +74,7 @@ def test_each_chapter_points_to_its_own_lab():
     for chapter in CHAPTERS:
         own = [lab for lab in LABS if _number(lab) == _number(chapter)]
         pointers = set(re.findall(r"labs/(lab\d\d)_", _source(chapter)))
-        if chapter.name.startswith(("09_", "11_")):
+        if chapter.name.startswith(("09_", "12_")):
             continue  # the mistakes chapter and the closing chapter speak of every lab
         expected = {own[0].name.split("_", 1)[0]} if own else set()
         assert pointers == expected, f"{chapter.name} points to {sorted(pointers)}, expected {sorted(expected)}"

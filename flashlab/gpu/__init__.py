@@ -169,9 +169,9 @@ REGISTER_CAPS = {"hopper/h3_warp_specialized.cu": 168, "hopper/h4_overlap.cu": 1
 BEST = {("f32", 64): "smem_tiles", ("f32", 128): "smem_tiles",
         ("f16", 64): "three_blocks", ("f16", 128): "k_lanes", ("bf16", 64): "three_blocks", ("bf16", 128): "k_lanes"}
 # The fastest Hopper rung per (dtype, d), which "best" runs on sm_90 (compute capability 9.0) only: by
-# flashlab.bench.forward.fastest_rung over data/benchmarks/hopper.json (rungs H1-H3, rungs 11-12 and SDPA in one
-# run on an H200, fp16 and bf16, both protocols).
-HOPPER_BEST = {("f16", 64): "tma", ("f16", 128): "tma", ("bf16", 64): "tma", ("bf16", 128): "tma"}
+# flashlab.bench.forward.fastest_rung over data/benchmarks/hopper.json (rungs H1-H6, rungs 11-12 and SDPA in one
+# run on an H200, fp16 and bf16, both protocols): H6 at d = 128, H2 at d = 64 (three 128-thread blocks an SM).
+HOPPER_BEST = {("f16", 64): "tma", ("f16", 128): "fused_exp", ("bf16", 64): "tma", ("bf16", 128): "fused_exp"}
 # (file, d) -> the blocks per SM a rung is built for at d: "best" passes it over where the GPU's shared memory per SM
 # holds fewer of its blocks (a choice of speed, not of correctness: named, it runs). Rung 12 at d = 64 needs 50 KB
 # a block: three fit on sm_80 (164 KB per SM) and sm_90 (228 KB), one on sm_86/89 (100 KB), where rung 11's 48 KB
