@@ -62,8 +62,9 @@ def test_forward_takes_the_first_rung_of_the_order_that_runs(lim, dt, d, positiv
     assert not _spills(rung, d, lim) and not _too_few_blocks(rung, d, lim)
     needs_positive = {fgpu.RUNGS[name].file for name in fgpu.POSITIVE_SCALE_ONLY}
     assert positive_scale or rung.file not in needs_positive
-    # on sm_90 the recorded fastest Hopper rung, then rung H2 (which takes any scale)
-    hop = (fgpu.HOPPER_BEST[(dt, d)], "tma") if lim.cc == 90 and (dt, d) in fgpu.HOPPER_BEST else ()
+    # on sm_90 the recorded fastest Hopper rung, then the fastest that takes any scale
+    hop = ((fgpu.HOPPER_BEST[(dt, d)], fgpu.HOPPER_ANY_SCALE[d]) if lim.cc == 90 and (dt, d) in fgpu.HOPPER_BEST
+           else ())
     order = list(dict.fromkeys((*hop, fgpu.BEST[(dt, d)], *fgpu.LADDER_ORDER)))
     passed = order[:order.index(p.kernel)]
     assert [name for name, _ in p.passed_over] == passed

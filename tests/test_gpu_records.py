@@ -238,6 +238,8 @@ def test_hopper_best_is_the_one_the_h200_run_chooses():
     for d in fgpu.HEAD_DIMS:
         choice = forward.fastest_rung(rows, d, rungs)
         assert fgpu.HOPPER_BEST[("f16", d)] == fgpu.HOPPER_BEST[("bf16", d)] == choice, (d, choice)
+        any_scale = [r for r in rungs if fgpu.HOPPER_RUNGS[r].file not in fgpu.HOPPER_POSITIVE_SCALE_ONLY]
+        assert fgpu.HOPPER_ANY_SCALE[d] == forward.fastest_rung(rows, d, any_scale), d
 
 
 def test_chapter_11_statements_hold_in_the_h200_run():
@@ -263,6 +265,12 @@ def test_chapter_11_statements_hold_in_the_h200_run():
                 assert at("fused_exp", s) > at("tma", s), s
         else:
             assert all(at("tma", s) >= at(h, s) for h in hopper), s  # at d = 64 H2 is the fastest Hopper rung
+    for s in shapes:
+        if s[1] == 128 and s[2] >= 4096:
+            assert at("overlap", s) > at("specialized", s), s  # H4's overlaps pay against H3
+        if s[1] == 64:
+            assert at("fused_exp", s) > at("three_stages", s), s  # H6's fused exponent pays where exp dominates
+    assert {at("fused_exp", s) > at("three_stages", s) for s in shapes if s[1] == 128} == {True, False}
     # H4 alone: ahead of H2 at some long rows at d = 128, behind at others
     h4_vs_h2 = {at("overlap", s) > at("tma", s) for s in shapes if s[1] == 128 and s[2] >= 4096}
     assert h4_vs_h2 == {True, False}

@@ -144,7 +144,7 @@ HOPPER_RUNGS = {
                       "(scale > 0)"),
 }
 # Hopper rungs that keep the maximum of the raw scores, and so need scale > 0 (the plan refuses them otherwise;
-# "best" then runs rung H2).
+# "best" then runs HOPPER_ANY_SCALE's rung).
 HOPPER_POSITIVE_SCALE_ONLY = frozenset({"hopper/h6_fused_exp.cu"})
 
 
@@ -172,6 +172,9 @@ BEST = {("f32", 64): "smem_tiles", ("f32", 128): "smem_tiles",
 # flashlab.bench.forward.fastest_rung over data/benchmarks/hopper.json (rungs H1-H6, rungs 11-12 and SDPA in one
 # run on an H200, fp16 and bf16, both protocols): H6 at d = 128, H2 at d = 64 (three 128-thread blocks an SM).
 HOPPER_BEST = {("f16", 64): "tma", ("f16", 128): "fused_exp", ("bf16", 64): "tma", ("bf16", 128): "fused_exp"}
+# The fastest of the Hopper rungs that take any scale, by the same rule over the same run: "best" runs it where the
+# scale is not positive and HOPPER_BEST needs it to be (H6 keeps the maximum of the raw scores).
+HOPPER_ANY_SCALE = {64: "tma", 128: "three_stages"}
 # (file, d) -> the blocks per SM a rung is built for at d: "best" passes it over where the GPU's shared memory per SM
 # holds fewer of its blocks (a choice of speed, not of correctness: named, it runs). Rung 12 at d = 64 needs 50 KB
 # a block: three fit on sm_80 (164 KB per SM) and sm_90 (228 KB), one on sm_86/89 (100 KB), where rung 11's 48 KB
@@ -634,7 +637,8 @@ def _forward_plan(dt: str, d: int, positive_scale: bool, kernel: str | Rung, lim
             raise ValueError(f"unknown kernel {kernel!r}; choose 'best' or one of {sorted([*RUNGS, *HOPPER_RUNGS])}")
         # On sm_90 the recorded fastest Hopper rung comes first; elsewhere it is not a candidate at all, so the
         # plans (and what they pass over) of every other GPU are the ladder's alone.
-        hop = (HOPPER_BEST[(dt, d)], "tma") if (dt, d) in HOPPER_BEST and hopper_problem(lim) is None else ()
+        hop = ((HOPPER_BEST[(dt, d)], HOPPER_ANY_SCALE[d]) if (dt, d) in HOPPER_BEST and hopper_problem(lim) is None
+               else ())
         order = dict.fromkeys((*hop, BEST[(dt, d)], *LADDER_ORDER))
         candidates = {name: RUNGS.get(name) or HOPPER_RUNGS.get(name) or PLANNED_VARIANTS[name] for name in order}
         requested = kernel

@@ -6,7 +6,7 @@
 // maximum is taken over the raw scores and 2^(s * scale2 - max) is one FFMA and the exponential: one
 // instruction per score fewer, 64 a thread per tile at 128 keys, in the part of the turn that runs beside the
 // tensor cores. The kernel needs scale > 0 (flashlab.gpu refuses a call with scale <= 0 for it, and "best"
-// falls back to rung 2).
+// falls back to flashlab.gpu.HOPPER_ANY_SCALE's rung).
 //
 // Inputs fp16 or bf16 by tensor maps as in rung 2 (boxes of 64 rows for q, BC = 128 for k and v). Grid:
 // (ceil(n / 128), H, B); block: 384 threads; dynamic shared memory: (128 + 2 * STAGES * BC) * D * 2 + 1024 + 128
