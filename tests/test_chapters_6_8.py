@@ -491,12 +491,7 @@ def learner_gpu(monkeypatch):
 
     hostemu = _hostemu()
     launches: list[tuple[str, str]] = []
-    files = {p.read_text(): p.name for p in fgpu.KERNEL_DIR.glob("*.cu")}
-    from flashlab.gpu import hopper
-
-    # an sm_90 GPU's "best" is a Hopper rung, which reaches RawModule as one text with its headers inlined
-    files.update({hopper.inlined_source(f"hopper/{p.name}"): f"hopper/{p.name}"
-                  for p in hopper.HOPPER_DIR.glob("*.cu")})
+    files = hostemu.kernel_texts()  # an sm_90 GPU's "best" is a Hopper rung: its text has the headers inlined
 
     class Module:
         def __init__(self, code, options=()):

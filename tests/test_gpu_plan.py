@@ -21,7 +21,7 @@ import pytest
 
 import flashlab.gpu as fgpu
 from flashlab.gpu import backward as gbwd
-from flashlab.gpu import decoding, hopper
+from flashlab.gpu import decoding
 
 DEVICES = list(fgpu.KNOWN_DEVICES.values())
 T4, A10, RTX4090, A100, H100 = (fgpu.KNOWN_DEVICES[n] for n in ("T4", "A10", "RTX 4090", "A100", "H100"))
@@ -176,11 +176,11 @@ def gpu_like(monkeypatch):
     """``gpu_like(lim)``: ``import cupy`` gives the stand-in, its device reports ``lim``'s attributes, and every
     launch is recorded as (file, function, dynamic shared memory) instead of run."""
     launches: list[tuple[str, str, int]] = []
-    files = {p.read_text(): p.name for p in fgpu.KERNEL_DIR.glob("*.cu")}
+    files = hostemu.kernel_texts()
 
     class Module:
-        def __init__(self, code, options=(), file=None):
-            self.file = file or files[code]
+        def __init__(self, code, options=()):
+            self.file = files[code]
 
         def get_function(self, name):
             def launch(grid, block, args, shared_mem=0):
@@ -196,10 +196,7 @@ def gpu_like(monkeypatch):
                            "MaxRegistersPerBlock": lim.regs_per_block, "MaxThreadsPerBlock": lim.threads_per_block}})
         cp.cuda.Device = device
         monkeypatch.setitem(sys.modules, "cupy", cp)
-        # the sm_90a rungs (an H100's "best"): NVRTC's build and the driver's tensor maps stand in the same way
-        monkeypatch.setattr(hopper, "module", lambda file, defines=(): Module(None, file=file))
-        monkeypatch.setattr(hopper, "_encode", hopper.host_tensor_map)
-        monkeypatch.setattr(hopper, "_MAPS", {})
+        hostemu.stand_in_hopper(monkeypatch)  # the sm_90a rungs: an H100's "best"
         for cache in ("_FUNCTIONS", "_CAPABILITY", "_SM_COUNT", "_LIMITS"):
             monkeypatch.setattr(fgpu, cache, {})
         fgpu._module.cache_clear()

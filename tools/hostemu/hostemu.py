@@ -142,16 +142,34 @@ def fake_cupy() -> types.ModuleType:
     return mod
 
 
-def stand_in_hopper(monkeypatch) -> None:
-    """For a test whose stand-in ``cupy`` (``fake_cupy``, device sm_90 by default) picks a Hopper rung: the sm_90a
-    files go to ``cupy.RawModule`` as one text, as every other file does (NVRTC needs CuPy's real binding), and
-    tensor maps are the emulation's own (the driver binding needs a driver)."""
+def stand_in_hopper(monkeypatch=None) -> None:
+    """Route the sm_90a files through the stand-in ``cupy``: they go to ``cupy.RawModule`` as one text, as every
+    other file does (NVRTC needs CuPy's real binding), and tensor maps are the emulation's own (the driver binding
+    needs a driver). With ``monkeypatch`` (a test whose stand-in device, sm_90 by default, picks a Hopper rung) the
+    change is undone after the test; without, it stays (``install``)."""
     from flashlab.gpu import hopper
 
-    monkeypatch.setattr(hopper, "module",
-                        lambda file, defines=(): sys.modules["cupy"].RawModule(hopper.inlined_source(file), defines))
-    monkeypatch.setattr(hopper, "_encode", hopper.host_tensor_map)
-    monkeypatch.setattr(hopper, "_MAPS", {})
+    def put(name, value):
+        if monkeypatch is None:
+            setattr(hopper, name, value)
+        else:
+            monkeypatch.setattr(hopper, name, value)
+
+    put("module", lambda file, defines=(): sys.modules["cupy"].RawModule(hopper.inlined_source(file), defines))
+    put("_encode", hopper.host_tensor_map)
+    put("_MAPS", {})
+
+
+def kernel_texts() -> dict[str, str]:
+    """{the text ``cupy.RawModule`` receives: the kernel file (relative to kernels/)} for every kernel file, the
+    Hopper files as ``stand_in_hopper`` passes them: for stand-in modules that record which file they were given."""
+    import flashlab.gpu as fgpu
+    from flashlab.gpu import hopper
+
+    texts = {p.read_text(): p.name for p in fgpu.KERNEL_DIR.glob("*.cu")}
+    texts.update({hopper.inlined_source(f"hopper/{p.name}"): f"hopper/{p.name}"
+                  for p in hopper.HOPPER_DIR.glob("*.cu")})
+    return texts
 
 
 def install(real_forward: bool = False) -> None:
@@ -161,10 +179,7 @@ def install(real_forward: bool = False) -> None:
 
     cp = fake_cupy()
     sys.modules["cupy"] = cp
-    from flashlab.gpu import hopper  # the sm_90a files: one text, compiled like the others (no NVRTC here)
-
-    hopper.module = lambda file, defines=(): _RawModule(hopper.inlined_source(file), defines)
-    hopper._encode = hopper.host_tensor_map  # the emulation's own tensor maps, read by cuda_host.h's TMA
+    stand_in_hopper()  # the sm_90a files: one text, compiled like the others (no NVRTC here)
     if real_forward:
         return
 
