@@ -59,10 +59,52 @@ def use_simulator() -> None:
                 "numba.cuda was already imported for a real GPU in this process; the simulator can only be "
                 "chosen before that import (restart the kernel and call use_simulator() first)"
             )
+        settle_failed_blocks()
         return
     from numba.core import config
 
     config.ENABLE_CUDASIM = 1  # numba read its environment when it was imported; numba.cuda reads this flag
+    settle_failed_blocks()
+
+
+def settle_failed_blocks() -> None:
+    """Make a simulated block that raises wait for its other threads before the launch returns. Idempotent.
+
+    When one thread of a simulated block raises, numba's simulator flags the others to stop at their next
+    barrier and raises at once, without waiting for them. Those threads keep running after the launch has
+    returned; a thread of the next launch of the same kernel then finds them in the middle of its shared
+    tiles (the simulator keys a shared array by its source line), so one kernel's IndexError could change the
+    result or the traced tile shapes of the next, depending on how the threads happened to be scheduled.
+    """
+    if not simulator_active():
+        return
+    import threading
+
+    from numba.cuda.simulator import kernel as sim
+
+    if getattr(sim.BlockManager.run, "_flashlab_settles", False):
+        return
+    original = sim.BlockManager.run
+
+    @functools.wraps(original)
+    def run(self, grid_point, *args):
+        before = set(threading.enumerate())
+        try:
+            return original(self, grid_point, *args)
+        except BaseException:
+            # Flagged to abort, each stops at its next barrier or at its end; a thread in an endless loop is
+            # left behind after a while rather than hanging its caller.
+            deadline = time.monotonic() + SETTLE_SECONDS
+            for t in threading.enumerate():
+                if t not in before and isinstance(t, sim.BlockThread):
+                    t.join(max(0.0, deadline - time.monotonic()))
+            raise
+
+    run._flashlab_settles = True
+    sim.BlockManager.run = run
+
+
+SETTLE_SECONDS = 30.0
 
 
 def simulator_active() -> bool:
@@ -192,6 +234,7 @@ def launch(kernel, Q, K, V, *, block_q: int, causal: bool = False, scale: float 
     L = np.full((batch, n), np.nan, dtype=dtype)
     grid = ((n + block_q - 1) // block_q, batch)
     if simulator_active():
+        settle_failed_blocks()  # the simulator may have been chosen through the environment alone
         kernel[grid, block_q](Q3, K3, V3, O, L, np.int64(n), np.int64(m), scale, bool(causal))
     else:
         args = [cuda.to_device(x) for x in (Q3, K3, V3, O, L)]

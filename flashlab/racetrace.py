@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .numba_cuda import simulator_active
+from .numba_cuda import settle_failed_blocks, simulator_active
 
 
 @dataclass
@@ -229,6 +229,8 @@ def trace_shared_memory(*, keep_accesses: bool = False, max_races: int = 20):
     if not simulator_active():
         raise RuntimeError("trace_shared_memory needs the CUDA simulator (call use_simulator() first)")
     from numba.cuda.simulator import kernelapi  # imports numba.cuda too: the simulator, as checked above
+
+    settle_failed_blocks()  # a kernel that raised must not leave threads running into the next traced launch
 
     trace = SharedMemoryTrace()
     shared_cls, module_cls = kernelapi.FakeCUDAShared, kernelapi.FakeCUDAModule

@@ -69,6 +69,50 @@ def test_cuda_forward_in_simulator_matches_reference(rng):
         assert r["seconds"] < 10, f"simulated run too slow for CI: {r}"
 
 
+@pytest.mark.parametrize("how", ["use_simulator", "environment"])
+def test_a_simulated_block_that_raises_leaves_no_thread_running(how):
+    """One thread raises while the others are still in their loop: the launch returns only once they stopped, so
+    they cannot run on into the shared tiles of the next launch (which made one kernel's IndexError change the
+    next one's traced result, depending on thread scheduling)."""
+    code = """
+        import json, threading
+        import numpy as np
+        from numba import cuda, float64
+        from numba.cuda.simulator.kernel import BlockThread
+        from flashlab import numba_cuda, racetrace
+
+        @cuda.jit
+        def kernel(out):
+            tile = cuda.shared.array(8, float64)
+            t = cuda.threadIdx.x
+            if t == 0:
+                tile[99] = 1.0  # IndexError at once
+            acc = 0.0
+            for i in range(20000):  # the other threads are still here when thread 0 raises
+                acc += i
+            cuda.syncthreads()
+            out[t] = acc
+
+        out = np.zeros(8)
+        raised = False
+        with racetrace.trace_shared_memory():
+            try:
+                kernel[1, 8](out)
+            except IndexError:
+                raised = True
+            alive = sum(isinstance(t, BlockThread) and t.is_alive() for t in threading.enumerate())
+        print(json.dumps([raised, alive]))
+    """
+    if how == "environment":  # the simulator chosen without use_simulator(): the trace installs the wait
+        out = subprocess.run([sys.executable, "-c", __import__("textwrap").dedent(code)], capture_output=True,
+                             text=True, env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        raised, alive = json.loads(out.stdout.strip().splitlines()[-1])
+    else:
+        raised, alive = run_in_simulator(code)
+    assert raised and alive == 0, (raised, alive)
+
+
 def test_use_simulator_refuses_after_a_real_import():
     code = (
         "import os; os.environ.pop('NUMBA_ENABLE_CUDASIM', None)\n"
