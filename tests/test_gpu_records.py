@@ -274,6 +274,17 @@ def test_chapter_11_statements_hold_in_the_h200_run():
     # H4 alone: ahead of H2 at some long rows at d = 128, behind at others
     h4_vs_h2 = {at("overlap", s) > at("tma", s) for s in shapes if s[1] == 128 and s[2] >= 4096}
     assert h4_vs_h2 == {True, False}
+    # H7's rescale under S changed nothing measurable; H8's persistent grid pays without a mask at n <= 4096, is level
+    # at 16384, and loses with the causal mask (its static schedule), by a quarter to a third at n = 16384
+    assert all(0.95 <= at("rescale_under_s", s) / at("fused_exp", s) <= 1.12 for s in shapes)
+    for s in shapes:
+        if not s[3]:
+            ratio = at("persistent", s) / at("rescale_under_s", s)
+            assert (ratio > 1.0) if s[2] <= 4096 else (0.97 <= ratio <= 1.05), (s, ratio)
+        else:
+            assert at("persistent", s) < at("rescale_under_s", s), s
+            if s[2] == 16384:
+                assert 0.6 <= at("persistent", s) / at("rescale_under_s", s) <= 0.8, s
     rungs = [r for r in hopper]
     assert forward.fastest_rung(rows, 128, rungs) == "fused_exp" and forward.fastest_rung(rows, 64, rungs) == "tma"
 

@@ -14,7 +14,7 @@ from flashlab.gpu import rungs
 
 
 def _sources() -> dict[str, str]:
-    return {p.stem: p.read_text() for p in rungs.kernel_files()}
+    return {p.stem: p.read_text() for p in rungs.copying_files()}
 
 
 # ---------------------------------------------------------------------------------------------- helper copies
@@ -100,17 +100,27 @@ def test_helpers_command_reports_versions_and_exits_zero():
 # ---------------------------------------------------------------------------------------- listing and diffs
 def test_listing_has_every_file_and_its_one_line():
     rows = rungs.listing()
-    assert sorted(f for f, _, _ in rows) == sorted(p.name for p in fgpu.KERNEL_DIR.glob("*.cu"))
+    files = [p.name for p in fgpu.KERNEL_DIR.glob("*.cu")]
+    files += [f"hopper/{p.name}" for p in fgpu.KERNEL_DIR.glob("hopper/*.cu")]
+    assert sorted(f for f, _, _ in rows) == sorted(files)
     assert [name for _, name, _ in rows[:len(fgpu.RUNGS)]] == list(fgpu.RUNGS)  # the ladder first, in order
+    hopper = {f: name for f, name, _ in rows if f.startswith("hopper/h")}
+    assert list(hopper.values()) == list(fgpu.HOPPER_RUNGS)  # chapter 11's rungs last, in their order
     for file, _, text in rows:
-        assert text.endswith(".") and "\n" not in text and not text.startswith("Rung"), (file, text)
+        assert text.endswith(".") and "\n" not in text and not re.match("(Hopper )?[Rr]ung", text), (file, text)
     assert dict((f, t) for f, _, t in rows)["r8_lean_softmax.cu"] == (
         "a leaner softmax: one FFMA per exponent and O rescaled only when a row's max moved.")
+    assert dict((f, t) for f, _, t in rows)["hopper/h8_persistent.cu"] == "a persistent grid."
 
 
 @pytest.mark.parametrize("spec", ["8", "lean", "r8_lean_softmax", "r8_lean_softmax.cu", "r8"])
 def test_rungs_are_named_many_ways(spec):
     assert rungs.resolve(spec).name == "r8_lean_softmax.cu"
+
+
+@pytest.mark.parametrize("spec", ["tma", "h2", "h2_tma", "hopper/h2_tma.cu", "h2_tma.cu"])
+def test_hopper_rungs_are_named_many_ways(spec):
+    assert rungs.resolve(spec).relative_to(fgpu.KERNEL_DIR).as_posix() == "hopper/h2_tma.cu"
 
 
 @pytest.mark.parametrize("spec", ["99", "r", "bwd", "nonsense"])

@@ -142,10 +142,21 @@ HOPPER_RUNGS = {
                        -(-((128 + 6 * 128) * 128 * 2 + 1024 + 128) // 128)),
                       "the scale inside the exponential's FMA: the maximum over raw scores, one FFMA per score "
                       "(scale > 0)"),
+    "rescale_under_s": Rung("rescale_under_s", "hopper/h7_rescale_under_s.cu", 128, 384, ("f16", "bf16"), 90,
+                            (-(-((128 + 6 * 128) * 64 * 2 + 1024 + 128) // 64),
+                             -(-((128 + 6 * 128) * 128 * 2 + 1024 + 128) // 128)),
+                            "O rescaled in the next turn, while the tensor cores compute S, instead of between "
+                            "turns (FlashAttention-3's order; scale > 0)"),
+    "persistent": Rung("persistent", "hopper/h8_persistent.cu", 128, 384, ("f16", "bf16"), 90,
+                       (-(-((128 + 6 * 128) * 64 * 2 + 1024 + 128) // 64),
+                        -(-((128 + 6 * 128) * 128 * 2 + 1024 + 128) // 128)),
+                       "a persistent grid: a block per SM walks the output tiles, loading the next tile's Q and K "
+                       "under this one's last products (scale > 0)"),
 }
 # Hopper rungs that keep the maximum of the raw scores, and so need scale > 0 (the plan refuses them otherwise;
 # "best" then runs HOPPER_ANY_SCALE's rung).
-HOPPER_POSITIVE_SCALE_ONLY = frozenset({"hopper/h6_fused_exp.cu"})
+HOPPER_POSITIVE_SCALE_ONLY = frozenset({"hopper/h6_fused_exp.cu", "hopper/h7_rescale_under_s.cu",
+                                        "hopper/h8_persistent.cu"})
 
 
 def hopper_problem(lim: DeviceLimits | None = None) -> str | None:
@@ -160,7 +171,8 @@ def hopper_problem(lim: DeviceLimits | None = None) -> str | None:
 # Kernels built with __launch_bounds__(threads, 1) for blocks of more than 256 threads: ptxas caps their registers at
 # 65536 / threads (rounded down to 8), so such a block fits the register file where 255 a thread would not.
 REGISTER_CAPS = {"hopper/h3_warp_specialized.cu": 168, "hopper/h4_overlap.cu": 168,
-                 "hopper/h5_three_stages.cu": 168, "hopper/h6_fused_exp.cu": 168}
+                 "hopper/h5_three_stages.cu": 168, "hopper/h6_fused_exp.cu": 168,
+                 "hopper/h7_rescale_under_s.cu": 168, "hopper/h8_persistent.cu": 168}
 # The fastest rung per (dtype, d), by flashlab.bench.forward.fastest_rung over data/benchmarks/r12_probe.json (rungs 11
 # and 12 and SDPA in one run, fp16 and bf16, both protocols): rung 12 at d = 64 (about 10 % faster), rung 11 at
 # d = 128, where the two are within 1 % (there rung 12 differs from rung 11 only in packing P early). Rung 11 was
@@ -169,7 +181,7 @@ REGISTER_CAPS = {"hopper/h3_warp_specialized.cu": 168, "hopper/h4_overlap.cu": 1
 BEST = {("f32", 64): "smem_tiles", ("f32", 128): "smem_tiles",
         ("f16", 64): "three_blocks", ("f16", 128): "k_lanes", ("bf16", 64): "three_blocks", ("bf16", 128): "k_lanes"}
 # The fastest Hopper rung per (dtype, d), which "best" runs on sm_90 (compute capability 9.0) only: by
-# flashlab.bench.forward.fastest_rung over data/benchmarks/hopper.json (rungs H1-H6, rungs 11-12 and SDPA in one
+# flashlab.bench.forward.fastest_rung over data/benchmarks/hopper.json (rungs H1-H8, rungs 11-12 and SDPA in one
 # run on an H200, fp16 and bf16, both protocols): H6 at d = 128, H2 at d = 64 (three 128-thread blocks an SM).
 HOPPER_BEST = {("f16", 64): "tma", ("f16", 128): "fused_exp", ("bf16", 64): "tma", ("bf16", 128): "fused_exp"}
 # The fastest of the Hopper rungs that take any scale, by the same rule over the same run: "best" runs it where the
@@ -999,13 +1011,16 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kern
 
     kern = get_kernel(rung, dt, d)
     grid = (math.ceil(n / rung.block_rows), H, B)
+    more = ()
     if rung.file.startswith("hopper/"):
         from . import hopper
 
         if rung.file in hopper.TMA_FILES:  # these take tensor maps of q, k and v
             q, k, v = hopper.tma_maps(q, k, v, dt, d, rung.file)
+        if rung.file in hopper.PERSISTENT_FILES:
+            grid, more = hopper.persistent_grid(grid, device_limits().sm_count), (np.int32(B),)
     args = (q, k, v, o, lse, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk), np.float32(scale),
-            np.int32(bool(causal)))
+            np.int32(bool(causal)), *more)
     kern(grid, (rung.threads,), args, shared_mem=rung.shared_bytes(d))
     return o, lse
 

@@ -30,7 +30,7 @@ import re
 import sys
 from collections.abc import Callable, Iterable, Iterator
 
-from . import KERNEL_DIR, RUNGS
+from . import HOPPER_RUNGS, KERNEL_DIR, RUNGS
 
 # Listed by hand, like every group below: a new file's copies are placed in a version on purpose.
 CH8 = ("bwd_r1_smem", "bwd_r2_mma", "bwd_r3_pipelined", "decode_r1_split", "decode_r2_warp_keys")
@@ -93,10 +93,23 @@ KNOWN_VARIANTS: tuple[KnownVariant, ...] = (
 
 # ------------------------------------------------------------------------------------------------- the files
 def kernel_files() -> list[pathlib.Path]:
-    """Every kernel file: the forward ladder in the order of ``RUNGS``, then the others (chapter 8) by name."""
+    """Every kernel file: the forward ladder in the order of ``RUNGS``, then the others (chapter 8) by name, then
+    chapter 11's Hopper files (``hopper/``) by name. The Hopper rungs share their helpers through two headers
+    (``wgmma.cuh``, ``tma.cuh``) instead of copying them: NVRTC is given those headers' text with every build
+    (:func:`flashlab.gpu.hopper.inlined_source`), so an edit to one does recompile them."""
     forward = [KERNEL_DIR / r.file for r in RUNGS.values()]
     rest = sorted(p for p in KERNEL_DIR.glob("*.cu") if p not in forward)
-    return forward + rest
+    return forward + rest + sorted(KERNEL_DIR.glob("hopper/*.cu"))
+
+
+def copying_files() -> list[pathlib.Path]:
+    """The kernel files that copy their device helpers: all but the Hopper ones (whose headers hold theirs)."""
+    return [p for p in kernel_files() if p.parent == KERNEL_DIR]
+
+
+def _shown(p: pathlib.Path) -> str:
+    """A kernel file as the listing names it, relative to ``kernels/`` (``hopper/h1_wgmma.cu``)."""
+    return p.relative_to(KERNEL_DIR).as_posix()
 
 
 def summary(text: str) -> str:
@@ -108,27 +121,28 @@ def summary(text: str) -> str:
         lines.append(line[2:].strip())
     paragraph = " ".join(lines)
     sentence = re.split(r"(?<=\.)\s", paragraph, maxsplit=1)[0]
-    return re.sub(r"^Rung \d+ -- ", "", sentence)
+    return re.sub(r"^(Hopper )?[Rr]ung \d+ -- ", "", sentence)
 
 
 def listing() -> list[tuple[str, str, str]]:
     """(file name, name in RUNGS or "", summary) for every kernel file, in :func:`kernel_files` order."""
-    names = {r.file: name for name, r in RUNGS.items()}
-    return [(p.name, names.get(p.name, ""), summary(p.read_text())) for p in kernel_files()]
+    names = {r.file: name for name, r in (*RUNGS.items(), *HOPPER_RUNGS.items())}
+    return [(_shown(p), names.get(_shown(p), ""), summary(p.read_text())) for p in kernel_files()]
 
 
 def resolve(spec: str) -> pathlib.Path:
-    """The kernel file a command-line argument names: a rung number ("8"), a file name, a stem, a unique stem
-    prefix ("bwd_r2") or a name in ``RUNGS`` ("lean")."""
+    """The kernel file a command-line argument names: a rung number ("8"), a file name (``hopper/`` optional), a
+    stem, a unique stem prefix ("bwd_r2", "h4") or a name in ``RUNGS`` or ``HOPPER_RUNGS`` ("lean", "tma")."""
     files = kernel_files()
     stems = {p.stem: p for p in files}
     spec = spec.strip()
+    bare = spec.removeprefix("hopper/").removesuffix(".cu")
     if spec.isdigit():
         found = [p for p in files if re.fullmatch(rf"r{int(spec)}_\w+", p.stem)]
-    elif spec in RUNGS:
-        found = [KERNEL_DIR / RUNGS[spec].file]
-    elif spec.removesuffix(".cu") in stems:
-        found = [stems[spec.removesuffix(".cu")]]
+    elif spec in RUNGS or spec in HOPPER_RUNGS:
+        found = [KERNEL_DIR / (RUNGS.get(spec) or HOPPER_RUNGS[spec]).file]
+    elif bare in stems:
+        found = [stems[bare]]
     else:
         found = [p for p in files if p.stem.startswith(spec + "_")]
     if len(found) != 1:
@@ -250,9 +264,10 @@ def tokens(code: str) -> tuple[str, ...]:
 
 
 def helper_copies(sources: dict[str, str] | None = None) -> dict[str, dict[str, str]]:
-    """Helper name -> {file stem: its definition there}, over ``sources`` (stem -> text; default: the files)."""
+    """Helper name -> {file stem: its definition there}, over ``sources`` (stem -> text; default: the files that
+    copy helpers, :func:`copying_files`)."""
     if sources is None:
-        sources = {p.stem: p.read_text() for p in kernel_files()}
+        sources = {p.stem: p.read_text() for p in copying_files()}
     copies: dict[str, dict[str, str]] = {}
     for stem, text in sources.items():
         for name, definition in device_helpers(text).items():
@@ -347,9 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "list":
         rows = listing()
-        width = max(len(f) for f, _, _ in rows)
+        width, named = max(len(f) for f, _, _ in rows), max(len(n) for _, n, _ in rows)
         for file, name, text in rows:
-            print(f"{file:<{width}}  {name:<11} {text}")
+            print(f"{file:<{width}}  {name:<{named}}  {text}")
         return 0
     if args.command == "loop":
         try:

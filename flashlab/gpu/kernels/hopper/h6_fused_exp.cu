@@ -24,37 +24,6 @@ static_assert(8 * (1 + 3 * STAGES) <= 128, "the barriers must fit the 128 bytes 
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 
-struct F16 {
-    static constexpr bool bf16 = false;
-    static __device__ __forceinline__ u32 pack(float lo, float hi) {
-        u32 r;
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-        return r;
-    }
-};
-struct BF16 {
-    static constexpr bool bf16 = true;
-    static __device__ __forceinline__ u32 pack(float lo, float hi) {
-        u32 r;
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-        return r;
-    }
-};
-
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
-__device__ __forceinline__ float ex2(float x) {  // 2^x; ex2.approx(-inf) = +0
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 template <class Ty, int D>
 __device__ void attn_fused_exp(const TensorMap* qmap, const TensorMap* kmap, const TensorMap* vmap,
                              u16* __restrict__ o, float* __restrict__ lse, int n, int m, int H, int Hk, float scale,

@@ -56,6 +56,39 @@ __device__ __forceinline__ void pin(float* d) {
 // Makes this thread's shared-memory writes visible to the tensor cores (the async proxy).
 __device__ __forceinline__ void fence_to_tensor_cores() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
+// The two 16-bit input types: the wgmma variant (bf16) and two floats packed into one register (lo in the low half).
+struct F16 {
+    static constexpr bool bf16 = false;
+    static __device__ __forceinline__ u32 pack(float lo, float hi) {
+        u32 r;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+};
+struct BF16 {
+    static constexpr bool bf16 = true;
+    static __device__ __forceinline__ u32 pack(float lo, float hi) {
+        u32 r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+};
+
+// Reductions over the four lanes (t = lane % 4) that hold one row of an accumulator.
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+__device__ __forceinline__ float ex2(float x) {  // 2^x; ex2.approx(-inf) = +0
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // Asynchronous 16-byte copy global -> shared; with valid = false nothing is read and 16 zero bytes are written.
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
