@@ -251,6 +251,10 @@ def test_bad_inputs_get_clear_errors():
         fgpu.attention(*(cp.zeros((8, 64), cp.float32),) * 3, kernel="mma")
     with pytest.raises(TypeError, match="causal"):
         fgpu.attention(x, x, x, causal="yes")
+    with pytest.raises(ValueError, match="empty axis"):
+        fgpu.attention(x[:0], x[:0], x[:0])
+    with pytest.raises(ValueError, match="empty axis"):
+        fgpu.attention(x[:, :0], x[:, :0], x[:, :0])
 
 
 @pytest.mark.gpu

@@ -7,7 +7,9 @@ in data/raw/ncu. Each file is named here (data/README.md lists them all, with wh
 
 from __future__ import annotations
 
+import math
 import pathlib
+import statistics
 
 import pytest
 
@@ -274,17 +276,32 @@ def test_chapter_11_statements_hold_in_the_h200_run():
     # H4 alone: ahead of H2 at some long rows at d = 128, behind at others
     h4_vs_h2 = {at("overlap", s) > at("tma", s) for s in shapes if s[1] == 128 and s[2] >= 4096}
     assert h4_vs_h2 == {True, False}
-    # H7's rescale under S changed nothing measurable; H8's persistent grid pays without a mask at n <= 4096, is level
-    # at 16384, and loses with the causal mask (its static schedule), by a quarter to a third at n = 16384
-    assert all(0.95 <= at("rescale_under_s", s) / at("fused_exp", s) <= 1.12 for s in shapes)
+    # H6 against H5 at d = 128: ahead at most rows, behind at a few
+    h6_vs_h5 = [at("fused_exp", s) > at("three_stages", s) for s in shapes if s[1] == 128]
+    assert sum(h6_vs_h5) > len(h6_vs_h5) / 2 and not all(h6_vs_h5)
+
+    def geomean(impl, d):  # TFLOP/s over every row at d (the same rows for every impl)
+        return math.exp(statistics.fmean(math.log(at(impl, s)) for s in shapes if s[1] == d))
+
+    # H7's rescale under S changed nothing measurable: within 5 % of H6 at every row but one, about 1 % by the
+    # geometric mean; at d = 128 faster by less than the margin fastest_rung asks of a later rung
+    assert sum(abs(at("rescale_under_s", s) / at("fused_exp", s) - 1) > 0.05 for s in shapes) <= 1
+    assert all(abs(geomean("rescale_under_s", d) / geomean("fused_exp", d) - 1) < 0.015 for d in (64, 128))
+    assert 1.0 < geomean("rescale_under_s", 128) / geomean("fused_exp", 128) < 1 + forward.TIE
+    # H8's persistent grid: without a mask faster at every row of n = 1024 and 4096, level (5 %) at 16384; with the
+    # causal mask slower at every row, about 2/3 of H7 at d = 64 and 3/4 at d = 128 for n = 16384, hardly at 4096
     for s in shapes:
+        ratio = at("persistent", s) / at("rescale_under_s", s)
         if not s[3]:
-            ratio = at("persistent", s) / at("rescale_under_s", s)
-            assert (ratio > 1.0) if s[2] <= 4096 else (0.97 <= ratio <= 1.05), (s, ratio)
+            assert (ratio > 1.0) if s[2] <= 4096 else (0.95 <= ratio <= 1.05), (s, ratio)
         else:
-            assert at("persistent", s) < at("rescale_under_s", s), s
+            assert ratio < 1.0, (s, ratio)
             if s[2] == 16384:
-                assert 0.6 <= at("persistent", s) / at("rescale_under_s", s) <= 0.8, s
+                assert (0.6 <= ratio <= 0.72) if s[1] == 64 else (0.68 <= ratio <= 0.8), (s, ratio)
+            if s[2] == 4096:
+                assert ratio >= 0.97, (s, ratio)
+            if s[2] == 1024:
+                assert 0.85 <= ratio <= 0.97, (s, ratio)
     rungs = [r for r in hopper]
     assert forward.fastest_rung(rows, 128, rungs) == "fused_exp" and forward.fastest_rung(rows, 64, rungs) == "tma"
 
