@@ -138,7 +138,7 @@ def emulated_attention(q, k, v, *, causal: bool = False, scale: float | None = N
     Slow (one OS thread per CUDA thread): for small shapes, to see the kernel's logic run without a Hopper GPU."""
     from .. import hostcuda
     from .._checks import check_scale
-    from . import HEAD_DIMS, HOPPER_RUNGS
+    from . import HEAD_DIMS, HOPPER_RUNGS, KNOWN_DEVICES
 
     if problem := emulation_problem():
         raise RuntimeError(f"the host emulation needs a C++20 compiler: {problem}")
@@ -161,7 +161,7 @@ def emulated_attention(q, k, v, *, causal: bool = False, scale: float | None = N
     grid = (-(-n // spec.block_rows), H, B)
     more = ()
     if spec.file in PERSISTENT_FILES:  # as many blocks as an H200 has SMs (or PERSISTENT_BLOCKS)
-        grid, more = persistent_grid(grid, 132), (np.int32(B),)
+        grid, more = persistent_grid(grid, KNOWN_DEVICES["H200"].sm_count), (np.int32(B),)
     inputs = arrays
     if spec.file in TMA_FILES:  # the emulation's own tensor maps (host_tensor_map) over the NumPy arrays
         inputs = [np.frombuffer(host_tensor_map(x.ctypes.data, d, x.shape[-2], x.size // (d * x.shape[-2]), "f16",
