@@ -95,9 +95,8 @@ bench-peak: setup
 # and SDPA's two backends, in one run each.
 bench-hopper: setup
 	$(BENCH) peak --name peak_hopper --impls wgmma mma_sync --warps 4 8 12
-	$(BENCH) forward --name hopper --impls wgmma tma specialized overlap three_stages fused_exp rescale_under_s persistent \
-	    three_blocks k_lanes sdpa_flash \
-	    sdpa_cudnn --d 64 128 \
+	$(BENCH) forward --name hopper --impls wgmma tma specialized overlap three_stages fused_exp rescale_under_s \
+	    persistent balanced three_blocks k_lanes sdpa_flash sdpa_cudnn --d 64 128 \
 	    --n 1024 4096 16384 --causal both --dtypes float16 bfloat16 --repeat 20 --warmup 3
 
 bench-decode: setup

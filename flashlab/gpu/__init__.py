@@ -152,11 +152,16 @@ HOPPER_RUNGS = {
                         -(-((128 + 6 * 128) * 128 * 2 + 1024 + 128) // 128)),
                        "a persistent grid: a block per SM walks the output tiles, loading the next tile's Q and K "
                        "under this one's last products (scale > 0)"),
+    "balanced": Rung("balanced", "hopper/h9_balanced.cu", 128, 384, ("f16", "bf16"), 90,
+                     (-(-((128 + 6 * 128) * 64 * 2 + 1024 + 128) // 64),
+                      -(-((128 + 6 * 128) * 128 * 2 + 1024 + 128) // 128)),
+                     "a balanced causal schedule: the persistent blocks take the causal tiles of all heads longest "
+                     "first, dealt in a snake (scale > 0)"),
 }
 # Hopper rungs that keep the maximum of the raw scores, and so need scale > 0 (the plan refuses them otherwise;
 # "best" then runs HOPPER_ANY_SCALE's rung).
 HOPPER_POSITIVE_SCALE_ONLY = frozenset({"hopper/h6_fused_exp.cu", "hopper/h7_rescale_under_s.cu",
-                                        "hopper/h8_persistent.cu"})
+                                        "hopper/h8_persistent.cu", "hopper/h9_balanced.cu"})
 
 
 def hopper_problem(lim: DeviceLimits | None = None) -> str | None:
@@ -172,7 +177,8 @@ def hopper_problem(lim: DeviceLimits | None = None) -> str | None:
 # 65536 / threads (rounded down to 8), so such a block fits the register file where 255 a thread would not.
 REGISTER_CAPS = {"hopper/h3_warp_specialized.cu": 168, "hopper/h4_overlap.cu": 168,
                  "hopper/h5_three_stages.cu": 168, "hopper/h6_fused_exp.cu": 168,
-                 "hopper/h7_rescale_under_s.cu": 168, "hopper/h8_persistent.cu": 168}
+                 "hopper/h7_rescale_under_s.cu": 168, "hopper/h8_persistent.cu": 168,
+                 "hopper/h9_balanced.cu": 168}
 # The fastest rung per (dtype, d), by flashlab.bench.forward.fastest_rung over data/benchmarks/r12_probe.json (rungs 11
 # and 12 and SDPA in one run, fp16 and bf16, both protocols): rung 12 at d = 64 (about 10 % faster), rung 11 at
 # d = 128, where the two are within 1 % (there rung 12 differs from rung 11 only in packing P early). Rung 11 was
@@ -1017,8 +1023,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kern
 
         if rung.file in hopper.TMA_FILES:  # these take tensor maps of q, k and v
             q, k, v = hopper.tma_maps(q, k, v, dt, d, rung.file)
-        if rung.file in hopper.PERSISTENT_FILES:
-            grid, more = hopper.persistent_grid(grid, device_limits().sm_count), (np.int32(B),)
+        grid, more = hopper.launch_shape(rung.file, grid, device_limits().sm_count)
     args = (q, k, v, o, lse, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk), np.float32(scale),
             np.int32(bool(causal)), *more)
     kern(grid, (rung.threads,), args, shared_mem=rung.shared_bytes(d))

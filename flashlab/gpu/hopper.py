@@ -158,10 +158,8 @@ def emulated_attention(q, k, v, *, causal: bool = False, scale: float | None = N
     lib = hostcuda.library(hostcuda.host_source(inlined_source(spec.file)), (name,))
     o = np.full(q.shape, np.nan, np.float16)
     lse = np.full(q.shape[:-1], np.nan, np.float32)
-    grid = (-(-n // spec.block_rows), H, B)
-    more = ()
-    if spec.file in PERSISTENT_FILES:  # as many blocks as an H200 has SMs (or PERSISTENT_BLOCKS)
-        grid, more = persistent_grid(grid, KNOWN_DEVICES["H200"].sm_count), (np.int32(B),)
+    # a persistent kernel gets as many blocks as an H200 has SMs (or PERSISTENT_BLOCKS)
+    grid, more = launch_shape(spec.file, (-(-n // spec.block_rows), H, B), KNOWN_DEVICES["H200"].sm_count)
     inputs = arrays
     if spec.file in TMA_FILES:  # the emulation's own tensor maps (host_tensor_map) over the NumPy arrays
         inputs = [np.frombuffer(host_tensor_map(x.ctypes.data, d, x.shape[-2], x.size // (d * x.shape[-2]), "f16",
@@ -178,15 +176,16 @@ def emulated_attention(q, k, v, *, causal: bool = False, scale: float | None = N
 #: The files whose kernels take tensor maps for q, k and v instead of pointers.
 TMA_FILES = frozenset({"hopper/h2_tma.cu", "hopper/h3_warp_specialized.cu", "hopper/h4_overlap.cu",
                        "hopper/h5_three_stages.cu", "hopper/h6_fused_exp.cu", "hopper/h7_rescale_under_s.cu",
-                       "hopper/h8_persistent.cu"})
+                       "hopper/h8_persistent.cu", "hopper/h9_balanced.cu"})
 #: Keys per tile of the Hopper rungs at each head dimension (their BC); from rung 4 on, 128 at both.
 KEY_TILE = {64: 128, 128: 64}
 KEY_TILE_OF = {f"hopper/{name}.cu": {64: 128, 128: 128}
-               for name in ("h4_overlap", "h5_three_stages", "h6_fused_exp", "h7_rescale_under_s", "h8_persistent")}
+               for name in ("h4_overlap", "h5_three_stages", "h6_fused_exp", "h7_rescale_under_s", "h8_persistent",
+                                 "h9_balanced")}
 QUERY_TILE = 64
 #: Persistent kernels: at most one block per SM, each walking the output tiles gridDim.x apart; they take the
 #: batch size as one more argument (the grid no longer carries it).
-PERSISTENT_FILES = frozenset({"hopper/h8_persistent.cu"})
+PERSISTENT_FILES = frozenset({"hopper/h8_persistent.cu", "hopper/h9_balanced.cu"})
 #: At most this many persistent blocks (None: one per SM). The host emulation's tests lower it, so that a small
 #: problem still gives each block several tiles.
 PERSISTENT_BLOCKS: int | None = None
@@ -196,6 +195,14 @@ def persistent_grid(grid: tuple[int, int, int], sm_count: int) -> tuple[int, int
     """The persistent launch of a kernel whose blocks would be ``grid``: one block per SM, or per tile if fewer."""
     cap = sm_count if PERSISTENT_BLOCKS is None else min(sm_count, PERSISTENT_BLOCKS)
     return (max(1, min(grid[0] * grid[1] * grid[2], cap)), 1, 1)
+
+
+def launch_shape(file: str, grid: tuple[int, int, int], sm_count: int) -> tuple[tuple[int, int, int], tuple]:
+    """The grid of ``kernels/FILE`` whose blocks would be ``grid`` (one per 128 query rows, head and batch entry),
+    and the arguments it takes after the common ones: a persistent kernel's grid and its batch size."""
+    if file in PERSISTENT_FILES:
+        return persistent_grid(grid, sm_count), (np.int32(grid[2]),)
+    return grid, ()
 PANEL = 64  # columns of one box: one 128-byte row of 16-bit elements, the span of the 128-byte swizzle
 #: A tensor map as a kernel argument: 128 bytes passed by value (CuPy passes a NumPy structured scalar's bytes).
 TENSOR_MAP_DTYPE = np.dtype([("opaque", np.uint64, (16,))])
