@@ -130,7 +130,7 @@ def check_selfcheck(argv: list[str]) -> None:
     """Fail unless ``python -m flashlab selfcheck ARGV`` names a part it has, and rungs and options that exist."""
     words = [w for w in argv if not w.startswith("-")]
     assert not words or words[0] in selfcheck.PARTS, argv
-    assert set(words[1:]) <= set(fgpu.RUNGS), argv
+    assert set(words[1:]) <= {*fgpu.RUNGS, *fgpu.HOPPER_RUNGS}, argv  # the forward rungs selfcheck takes
     assert set(argv) - set(words) <= {"--quick"}, argv
 
 
