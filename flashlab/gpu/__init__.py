@@ -116,6 +116,10 @@ RUNGS: dict[str, Rung] = {
 }
 # Hopper's rungs (kernels/hopper/, chapter 11): warpgroup MMAs, built for sm_90a, so they run on compute
 # capability 9.0 only (H100, H200), never on older or newer GPUs. Named by kernel=; "best" does not take them yet.
+# Shared memory (in units of d, as Rung takes it) of the rungs with a three-stage ring of 128-key tiles (H5-H9):
+# Q, three stages of K and V, the 1024-byte alignment of the swizzle and 128 bytes of barriers.
+_THREE_STAGE_SHARED = (-(-((128 + 6 * 128) * 64 * 2 + 1024 + 128) // 64),
+                       -(-((128 + 6 * 128) * 128 * 2 + 1024 + 128) // 128))
 HOPPER_RUNGS = {
     "wgmma": Rung("wgmma", "hopper/h1_wgmma.cu", 64, 128, ("f16", "bf16"), 90,
                   (((64 + 4 * 128) * 64 * 2 + 1024) // 64, ((64 + 4 * 64) * 128 * 2 + 1024) // 128),
@@ -134,27 +138,22 @@ HOPPER_RUNGS = {
                     "overlap: each consumer's softmax runs under its next products, and the two consumers take "
                     "turns at the tensor cores (ping-pong, named barriers); 128-key tiles"),
     "three_stages": Rung("three_stages", "hopper/h5_three_stages.cu", 128, 384, ("f16", "bf16"), 90,
-                         (-(-((128 + 6 * 128) * 64 * 2 + 1024 + 128) // 64),
-                          -(-((128 + 6 * 128) * 128 * 2 + 1024 + 128) // 128)),
+                         _THREE_STAGE_SHARED,
                          "a third stage in the ring: each tile's copy has two turns to land"),
     "fused_exp": Rung("fused_exp", "hopper/h6_fused_exp.cu", 128, 384, ("f16", "bf16"), 90,
-                      (-(-((128 + 6 * 128) * 64 * 2 + 1024 + 128) // 64),
-                       -(-((128 + 6 * 128) * 128 * 2 + 1024 + 128) // 128)),
+                      _THREE_STAGE_SHARED,
                       "the scale inside the exponential's FMA: the maximum over raw scores, one FFMA per score "
                       "(scale > 0)"),
     "rescale_under_s": Rung("rescale_under_s", "hopper/h7_rescale_under_s.cu", 128, 384, ("f16", "bf16"), 90,
-                            (-(-((128 + 6 * 128) * 64 * 2 + 1024 + 128) // 64),
-                             -(-((128 + 6 * 128) * 128 * 2 + 1024 + 128) // 128)),
+                            _THREE_STAGE_SHARED,
                             "O rescaled in the next turn, while the tensor cores compute S, instead of between "
                             "turns (FlashAttention-3's order; scale > 0)"),
     "persistent": Rung("persistent", "hopper/h8_persistent.cu", 128, 384, ("f16", "bf16"), 90,
-                       (-(-((128 + 6 * 128) * 64 * 2 + 1024 + 128) // 64),
-                        -(-((128 + 6 * 128) * 128 * 2 + 1024 + 128) // 128)),
+                       _THREE_STAGE_SHARED,
                        "a persistent grid: a block per SM walks the output tiles, loading the next tile's Q and K "
                        "under this one's last products (scale > 0)"),
     "balanced": Rung("balanced", "hopper/h9_balanced.cu", 128, 384, ("f16", "bf16"), 90,
-                     (-(-((128 + 6 * 128) * 64 * 2 + 1024 + 128) // 64),
-                      -(-((128 + 6 * 128) * 128 * 2 + 1024 + 128) // 128)),
+                     _THREE_STAGE_SHARED,
                      "a balanced causal schedule: the persistent blocks take the causal tiles of all heads longest "
                      "first, dealt in a snake (scale > 0)"),
 }

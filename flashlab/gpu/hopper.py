@@ -181,7 +181,7 @@ TMA_FILES = frozenset({"hopper/h2_tma.cu", "hopper/h3_warp_specialized.cu", "hop
 KEY_TILE = {64: 128, 128: 64}
 KEY_TILE_OF = {f"hopper/{name}.cu": {64: 128, 128: 128}
                for name in ("h4_overlap", "h5_three_stages", "h6_fused_exp", "h7_rescale_under_s", "h8_persistent",
-                                 "h9_balanced")}
+                         "h9_balanced")}
 QUERY_TILE = 64
 #: Persistent kernels: at most one block per SM, each walking the output tiles gridDim.x apart; they take the
 #: batch size as one more argument (the grid no longer carries it).
@@ -203,6 +203,8 @@ def launch_shape(file: str, grid: tuple[int, int, int], sm_count: int) -> tuple[
     if file in PERSISTENT_FILES:
         return persistent_grid(grid, sm_count), (np.int32(grid[2]),)
     return grid, ()
+
+
 PANEL = 64  # columns of one box: one 128-byte row of 16-bit elements, the span of the 128-byte swizzle
 #: A tensor map as a kernel argument: 128 bytes passed by value (CuPy passes a NumPy structured scalar's bytes).
 TENSOR_MAP_DTYPE = np.dtype([("opaque", np.uint64, (16,))])
