@@ -764,14 +764,16 @@ CH3 = next((ROOT / "notebooks").glob("03_*.ipynb"))
 CH3_SETUP = ["ec358706", "4fd1731f"]  # the chapter's imports and rng; section 11's first cell (blocksparse, viz)
 
 
-def test_chapter3_runs_the_window_kernel_live_on_an_h100(learner_gpu):
-    launches = learner_gpu(H100)
+@pytest.mark.parametrize("gpu, kernel, file", [("H100", "hopper_window", fgpu.HOPPER_SPARSE_FILE),
+                                                ("A100", "sparse_window", fgpu.SPARSE_FILE)])
+def test_chapter3_runs_the_window_kernel_live_on_an_h100_or_a100(learner_gpu, gpu, kernel, file):
+    launches = learner_gpu(fgpu.KNOWN_DEVICES[gpu])
     ns: dict = {}
     run_cells(CH3, CH3_SETUP, ns)
     with np.errstate(all="ignore"):  # the launch is recorded, not run: o is left uninitialised
         printed = run_cells(CH3, ["sparse-gpu-live"], ns)
-    assert launches == [(fgpu.SPARSE_FILE, "attn_window_f16_d64")]
-    assert printed.startswith("forward: 'sparse_window' (sparse_r9_window.cu") and "Not run live" not in printed
+    assert launches == [(file, "attn_window_f16_d64")]
+    assert printed.startswith(f"forward: '{kernel}' ({file}") and "Not run live" not in printed
     assert re.search(r"^window \(128, 0\): max \|o - reference\| = .* max \|lse - reference\| = ", printed, re.M)
     assert ns["K"].shape[1] < ns["Q"].shape[1] and ns["n"] != ns["m"]  # grouped-query heads, a ragged shape
 

@@ -55,13 +55,39 @@ def test_fragment_bits_follow_the_mma_accumulator_layout(rng):
         fgpu.pack_fragment_bits(np.zeros((1, 64, 64), bool))
 
 
+def test_wgmma_bits_follow_the_wgmma_accumulator_layout(rng):
+    """Thread t of consumer c finds, at bit 4 (jj % 8) + e of word jj // 8, the element its wgmma m64n128
+    accumulator 4 jj + e holds: row 64 c + 16 warp + lane // 4 + 8 (e // 2), column 8 jj + 2 (lane % 4) + e % 2
+    (written out here thread by thread), as hopper/sparse_h8.cu reads it."""
+    masks = rng.random((2, 128, 128)) < 0.5
+    words = fgpu.pack_wgmma_bits(masks)
+    assert words.shape == (2, 2, 2, 128) and words.dtype == np.uint32
+    for p in range(2):
+        for c in range(2):
+            for t in range(128):
+                warp, lane = divmod(t, 32)
+                for jj in range(16):
+                    for e in range(4):
+                        row = 64 * c + 16 * warp + lane // 4 + 8 * (e // 2)
+                        col = 8 * jj + 2 * (lane % 4) + e % 2
+                        bit = (int(words[p, c, jj // 8, t]) >> (4 * (jj % 8) + e)) & 1
+                        assert bit == masks[p, row, col], (p, c, t, jj, e)
+    with pytest.raises(ValueError, match="128, 128"):
+        fgpu.pack_wgmma_bits(np.zeros((1, 128, 64), bool))
+
+
 def test_plan_names_the_sparse_kernel_or_says_why_not(monkeypatch):
     h200, a100, t4 = (fgpu.KNOWN_DEVICES[name] for name in ("H200", "A100", "T4"))
     for sparse in ("window", "blocks"):
         for d in fgpu.HEAD_DIMS:
             for dt in HALF:
                 plan = fgpu.plan_for("forward", h200, dtype=dt, d=d, sparse=sparse)
-                assert plan.kernel == f"sparse_{sparse}" and plan.file == fgpu.SPARSE_FILE
+                assert plan.kernel == f"hopper_{sparse}" and plan.file == fgpu.HOPPER_SPARSE_FILE
+                # the sm_80 kernel still runs there by name; the Hopper one nowhere else
+                assert fgpu.plan_for("forward", h200, dtype=dt, d=d, sparse=sparse,
+                                     kernel=f"sparse_{sparse}").file == fgpu.SPARSE_FILE
+                with pytest.raises(ValueError, match="sm_90a"):
+                    fgpu.plan_for("forward", a100, dtype=dt, d=d, sparse=sparse, kernel=f"hopper_{sparse}")
         with pytest.raises(ValueError, match="sm_80 or newer"):
             fgpu.plan_for("forward", t4, dtype="f16", d=64, sparse=sparse)
         with pytest.raises(ValueError, match="float16 or bfloat16"):
@@ -81,7 +107,7 @@ def test_plan_names_the_sparse_kernel_or_says_why_not(monkeypatch):
             with pytest.raises(ValueError, match="'best' would choose 'sparse_window_c32'"):
                 fgpu.plan_for("forward", a100, d=128, sparse="window", kernel="sparse_window")
             assert fgpu.plan_for("forward", a100, d=64, sparse="window").kernel == "sparse_window"
-            assert fgpu.plan_for("forward", h200, d=128, sparse="window").kernel == "sparse_window"
+            assert fgpu.plan_for("forward", h200, d=128, sparse="window").kernel == "hopper_window"
         finally:
             fgpu._sparse_plan.cache_clear()  # the plans made with the patched table
     with pytest.raises(ValueError, match="'window' or 'blocks'"):
@@ -103,7 +129,16 @@ def test_sparse_tiles_are_the_kernel_file_tiles():
     for name, rung in fgpu.SPARSE_KERNELS.items():
         for d in fgpu.HEAD_DIMS:
             bq, bk = fgpu.SPARSE_TILES[name][d]
-            assert rung.block_rows == bq and rung.shared_bytes(d) == (bq + 4 * bk) * d * 2, (name, d)
+            if rung.file == fgpu.HOPPER_SPARSE_FILE:  # Q, three stages of K and V, alignment and barriers
+                assert rung.shared_bytes(d) >= (bq + 6 * bk) * d * 2 + 1024 + 128, (name, d)
+            else:
+                assert rung.shared_bytes(d) == (bq + 4 * bk) * d * 2, (name, d)
+            assert rung.block_rows == bq, (name, d)
+    hopper_src = (fgpu.KERNEL_DIR / fgpu.HOPPER_SPARSE_FILE).read_text()
+    assert re.search(r"#define BR 128\b", hopper_src) and re.search(r"#define BC 128\b", hopper_src)
+    assert re.search(r"#define STAGES 3\b", hopper_src)
+    assert fgpu.SPARSE_TILES["hopper_window"] == fgpu.SPARSE_TILES["hopper_blocks"] == {64: (128, 128),
+                                                                                         128: (128, 128)}
 
 
 def test_benchmark_counts_pairs_and_masks_as_the_patterns_mean(rng):
@@ -279,12 +314,18 @@ def test_selfcheck_runs_each_sparse_kernel_this_gpu_runs_and_names_the_others(gp
     launches = gpu_like(fgpu.KNOWN_DEVICES["T4"])
     assert selfcheck.main(["sparse"]) == 0 and not launches
     out = capsys.readouterr().out
-    assert out.count("skipped: needs sm_80 or newer") == len(fgpu.SPARSE_KERNELS) * 2 * len(fgpu.HEAD_DIMS)
+    hopper = [name for name, r in fgpu.SPARSE_KERNELS.items() if r.file == fgpu.HOPPER_SPARSE_FILE]
+    assert hopper == ["hopper_window", "hopper_blocks"]
+    per_kernel = 2 * len(fgpu.HEAD_DIMS)
+    assert out.count("skipped: needs sm_80 or newer") == (len(fgpu.SPARSE_KERNELS) - len(hopper)) * per_kernel
+    assert out.count("skipped: the Hopper kernels are built for sm_90a") == len(hopper) * per_kernel
 
     a100 = fgpu.KNOWN_DEVICES["A100"]
     launches = gpu_like(a100)
     expected = []
     for name in fgpu.SPARSE_KERNELS:
+        if name in hopper:  # sm_90a only: said so, as on the T4
+            continue
         blocks = name == "sparse_blocks"
         cases = [c for c in selfcheck.SPARSE_CASES if (c[3] == "block_mask") == blocks]
         assert len(cases) == 2
@@ -296,7 +337,8 @@ def test_selfcheck_runs_each_sparse_kernel_this_gpu_runs_and_names_the_others(gp
     out = capsys.readouterr().out
     assert [(file, fn) for file, fn, _ in launches] == expected and len(expected) == 8 + 8 + 8
     assert out.count(" FAIL\n") == len(expected) and f"selfcheck: {len(expected)} FAILED" in out
-    assert "skipped" not in out
+    hopper_skips = out.count("skipped: the Hopper kernels are built for sm_90a")
+    assert out.count("skipped") == hopper_skips == len(hopper) * per_kernel
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the host emulation of the kernels needs g++")
@@ -379,9 +421,20 @@ def _length(rng, small: bool):
 
 
 # ------------------------------------------------------------------------------------------------- GPU checks
+# "best": the kernel the plan runs (on Hopper the wgmma kernels); "mma": the sm_80 kernels by name, which still run
+# there (and are what every other GPU runs)
+FAMILIES = {"best": {}, "mma": {"window": "sparse_window", "blocks": "sparse_blocks"}}
+
+
+def _named(family: str, mode: str) -> dict:
+    name = FAMILIES[family].get(mode)
+    return {"kernel": name} if name else {}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dt", HALF)
-def test_sliding_windows_on_ragged_shapes(rng, dt):
+def test_sliding_windows_on_ragged_shapes(rng, dt, family):
     for trial in range(6):
         d = fgpu.HEAD_DIMS[trial % 2]
         n, m = _length(rng, True), _length(rng, True)
@@ -390,7 +443,8 @@ def test_sliding_windows_on_ragged_shapes(rng, dt):
         # each side: 0, a few tokens, up to the whole sequence, or no limit
         left = [0, min(int(rng.integers(1, 40)), m - 1), m - 1, None][trial % 4]
         right = [0, None, int(rng.integers(0, n)), 0][trial % 4]
-        _check(rng, dt, (1, H, Hk, n, m, d), blocksparse.sliding_window(left, right), window=(left, right))
+        _check(rng, dt, (1, H, Hk, n, m, d), blocksparse.sliding_window(left, right), window=(left, right),
+               **_named(family, "window"))
 
 
 @pytest.mark.gpu
@@ -419,17 +473,19 @@ def test_window_edge_cases(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dt", HALF)
-def test_dilated_windows(rng, dt):
+def test_dilated_windows(rng, dt, family):
     for d, (n, m, left, right, r) in zip((64, 128, 64), ((200, 200, None, 0, 3), (150, 260, 90, 10, 4),
                                                          (100, 70, 69, 0, 200)), strict=True):
         _check(rng, dt, (1, 2, 1, n, m, d), blocksparse.dilated(r, left=left, right=right), window=(left, right),
-               dilation=r)
+               dilation=r, **_named(family, "window"))
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dt", HALF)
-def test_block_masks_of_every_kind_of_pattern(rng, dt):
+def test_block_masks_of_every_kind_of_pattern(rng, dt, family):
     for d in fgpu.HEAD_DIMS:
         n, m = _length(rng, True), _length(rng, True)
         user = rng.random((n, m)) < 0.3
@@ -439,19 +495,22 @@ def test_block_masks_of_every_kind_of_pattern(rng, dt):
                         blocksparse.from_mask(user),
                         blocksparse.from_blocks(tiles, 37, 50) & blocksparse.causal()):
             bm = pattern.block_mask(n, m, *fgpu.sparse_block(d))
-            _check(rng, dt, (1, 2, 1, n, m, d), pattern, block_mask=bm)
+            _check(rng, dt, (1, 2, 1, n, m, d), pattern, block_mask=bm, **_named(family, "blocks"))
 
 
 @pytest.mark.gpu
 def test_a_prepared_layout_serves_every_batch_and_head(rng):
     n, m, d = 260, 300, 128
     pattern = blocksparse.local_global(40, 0, [0, 1, 2]) & blocksparse.causal()
-    counts = pattern.block_mask(n, m, *fgpu.sparse_block(d)).counts()
     layout = fgpu.sparse_layout(pattern.block_mask(n, m, *fgpu.sparse_block(d)))
-    # the same computed tiles; the last key tile (300 = 9 x 32 + 12 keys) is masked wherever it is computed
+    # in the tiles of the kernel it was made for (Hopper's re-blocks the mask), the same computed tiles as the
+    # pattern's block mask; the last key tile (300 keys: a short one in 64- and 128-key tiles) is masked wherever
+    # it is computed
+    own = pattern.block_mask(n, m, layout.block_q, layout.block_k)
+    assert (layout.block_q, layout.block_k) == fgpu.SPARSE_TILES[layout.kernel][d]
+    counts = own.counts()
     assert layout.counts["empty"] == counts["empty"] and int(layout.row_ptr[-1]) == counts["partial"] + counts["full"]
-    assert layout.counts["partial"] == counts["partial"] + int((pattern.block_mask(
-        n, m, *fgpu.sparse_block(d)).kinds[:, -1] == blocksparse.FULL).sum())
+    assert layout.counts["partial"] == counts["partial"] + int((own.kinds[:, -1] == blocksparse.FULL).sum())
     _check(rng, "bf16", (2, 4, 2, n, m, d), pattern, block_mask=layout)
 
 
@@ -461,7 +520,7 @@ def test_a_block_mask_is_laid_out_once_per_mask(rng, monkeypatch):
 
     built = []
     real = fgpu.sparse_layout
-    monkeypatch.setattr(fgpu, "sparse_layout", lambda bm: built.append(bm) or real(bm))
+    monkeypatch.setattr(fgpu, "sparse_layout", lambda bm, kernel="best": built.append(bm) or real(bm, kernel))
     q, k, v = (cp.asarray(x.astype(np.float16)) for x in _inputs(rng, "f16", 1, 1, 1, 70, 90, 64))
     first = blocksparse.sliding_window(20, 0).block_mask(70, 90, *fgpu.sparse_block(64))
     o1 = fgpu.attention(q, k, v, block_mask=first)[0].get()
@@ -473,17 +532,65 @@ def test_a_block_mask_is_laid_out_once_per_mask(rng, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("blocks", [1, 2, 5])
+def test_the_hopper_kernels_walk_several_output_tiles_per_block(rng, monkeypatch, blocks):
+    """The Hopper kernels' persistent blocks with fewer blocks than output tiles (on the GPU it would be one block per
+    SM): each block walks several output tiles in the order of sparse_order, dealt in a snake, so the ring's phases,
+    Q's barriers and the consumers' turns carry over from tile to tile, across tiles with many computed key tiles,
+    few, and none (a query block whose window holds no key), in odd last rounds that leave blocks idle."""
+    from flashlab.gpu import hopper
+
+    if fgpu.hopper_problem() is not None:
+        pytest.skip(fgpu.hopper_problem())
+    monkeypatch.setattr(hopper, "PERSISTENT_BLOCKS", blocks)
+    # window (40, 0) with n = 420 queries on m = 150 keys: the first 270 rows see nothing (query blocks 0 and 1 have
+    # no key tile), the others a growing number
+    _check(rng, "f16", (2, 2, 1, 420, 150, 64), blocksparse.sliding_window(40, 0), window=(40, 0))
+    _check(rng, "bf16", (1, 3, 3, 390, 390, 128), blocksparse.dilated(3, left=None, right=40), window=(None, 40),
+           dilation=3)
+    pattern = blocksparse.local_global(20, 5, [0, 200]) & blocksparse.causal()
+    _check(rng, "f16", (2, 2, 2, 300, 333, 128), pattern,
+           block_mask=pattern.block_mask(300, 333, *fgpu.sparse_block(128)))
+
+
+def test_sparse_order_ranks_query_blocks_by_their_tiles():
+    """The Hopper kernels take the query blocks most computed tiles first (ties in block order, so neighbours that
+    share keys stay together); a window's tiles per block, counted from its formula, are its block mask's."""
+    assert fgpu.sparse_order([1, 3, 2, 3, 0], 1).tolist() == [1, 3, 2, 0, 4]
+    assert fgpu.sparse_order([2, 2, 2], 1).tolist() == [0, 1, 2]
+    # two heads: the most tiles first across heads; ties by head, then query block (qb + 3 * head)
+    assert fgpu.sparse_order([1, 3, 3], 2).tolist() == [1, 2, 4, 5, 0, 3]
+    for counts, heads in (([5, 1, 5, 0, 2, 2], 3), ([0, 0], 4), ([7], 5)):
+        order = fgpu.sparse_order(counts, heads)
+        assert sorted(order.tolist()) == list(range(len(counts) * heads)) and order.dtype == np.int32
+        assert np.all(np.diff(np.asarray(counts)[order % len(counts)]) <= 0)
+    for n, m, left, right in ((1000, 1000, 256, 0), (700, 300, 50, 20), (300, 900, 10_000, 5), (130, 600, 100, 0)):
+        counts = fgpu.window_tiles_per_block(n, m, left, right, 128, 128)
+        bm = blocksparse.sliding_window(min(left, m - 1), min(right, n - 1)).block_mask(n, m, 128, 128)
+        np.testing.assert_array_equal(counts, (bm.kinds != blocksparse.EMPTY).sum(axis=1), err_msg=str((n, m)))
+
+
+@pytest.mark.gpu
 def test_empty_tiles_are_never_read(rng):
     """Keys that no query's window reaches hold NaN: a kernel that loaded and computed their tiles would spread it
     (NaN times a zero probability is NaN). A block mask's empty tiles likewise."""
+    import cupy as cp
+
     n, m, d = 130, 600, 64
-    # window (100, 0): query i (position i + 470) sees keys from 370 on; key tiles 0-4 (keys 0-319) are empty
-    _check(rng, "f16", (1, 1, 1, n, m, d), blocksparse.sliding_window(100, 0), nan_keys=320, window=(100, 0))
+    # window (100, 0): query i (position i + 470) sees keys from 370 on, so keys 0-319 are unseen: the first five
+    # 64-key tiles (keys 0-319) or the first two 128-key tiles (keys 0-255) are empty, in the tiles of the kernel
+    # the plan runs (a partial tile is read, its unseen keys included)
+    x = cp.zeros((1, 1, n, d), cp.float16)
+    y = cp.zeros((1, 1, m, d), cp.float16)
+    bk = fgpu.SPARSE_TILES[fgpu.plan(x, y, y, window=(100, 0)).kernel][d][1]
+    _check(rng, "f16", (1, 1, 1, n, m, d), blocksparse.sliding_window(100, 0), nan_keys=320 // bk * bk,
+           window=(100, 0))
     blocks = np.ones((2, 10), bool)
     blocks[:, :5] = False
     pattern = blocksparse.from_blocks(blocks, 128, 64)
-    _check(rng, "f16", (1, 1, 1, n, m, d), pattern, nan_keys=320,
-           block_mask=pattern.block_mask(n, m, *fgpu.sparse_block(d)))
+    bm = pattern.block_mask(n, m, *fgpu.sparse_block(d))
+    bk = fgpu.SPARSE_TILES[fgpu.plan(x, y, y, block_mask=bm).kernel][d][1]
+    _check(rng, "f16", (1, 1, 1, n, m, d), pattern, nan_keys=320 // bk * bk, block_mask=bm)
 
 
 @pytest.mark.gpu
@@ -522,8 +629,14 @@ def test_bad_sparse_inputs_get_clear_errors():
         fgpu.attention(*(cp.zeros((100, 64), cp.float32),) * 3, window=(5, 0))
     with pytest.raises(ValueError, match="scale > 0"):
         fgpu.attention(x, x, x, window=(5, 0), scale=-0.1)
-    assert fgpu.plan(x, x, x, window=(5, 0)).kernel == "sparse_window"
-    assert fgpu.plan(x, x, x, block_mask=bm).kernel == "sparse_blocks"
+    family = "hopper" if fgpu.hopper_problem() is None else "sparse"
+    assert fgpu.plan(x, x, x, window=(5, 0)).kernel == f"{family}_window"
+    assert fgpu.plan(x, x, x, block_mask=bm).kernel == f"{family}_blocks"
+    if family == "hopper":  # a layout made for one kernel: "best" runs that kernel, another kernel is refused
+        layout = fgpu.sparse_layout(bm, kernel="sparse_blocks")
+        assert fgpu.plan(x, x, x, block_mask=layout).kernel == "sparse_blocks"
+        with pytest.raises(ValueError, match="the layout was made for sparse_blocks; this call runs hopper_blocks"):
+            fgpu.attention(x, x, x, block_mask=layout, kernel="hopper_blocks")
 
 
 def test_the_recorded_benchmark_holds_together():

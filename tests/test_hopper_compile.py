@@ -17,7 +17,15 @@ FILES = sorted("hopper/" + p.name for p in hopper.HOPPER_DIR.glob("*.cu"))
 
 def test_every_hopper_file_is_known():
     rungs = {r.file for r in fgpu.HOPPER_RUNGS.values()}
-    assert set(FILES) == rungs | {"hopper/peak_wgmma.cu"}
+    assert set(FILES) == rungs | {"hopper/peak_wgmma.cu", fgpu.HOPPER_SPARSE_FILE}
+
+
+@needs_nvcc
+def test_the_sparse_kernel_has_every_entry_point_and_no_compiler_inserted_waits():
+    names = {k["kernel"] for k in hopper.compile_report(fgpu.HOPPER_SPARSE_FILE)}
+    assert names == {f"attn_{mode}_{dt}_d{d}" for mode in ("window", "blocks") for dt in ("f16", "bf16")
+                     for d in fgpu.HEAD_DIMS}
+    assert hopper.compiler_notes(fgpu.HOPPER_SPARSE_FILE) == []
 
 
 @needs_nvcc

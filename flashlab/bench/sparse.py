@@ -4,9 +4,12 @@ For each sequence length of --n (self-attention, n = m) and each pattern: causal
 tokens (``window=(w, 0)``: query i sees keys i - w .. i) and a dilated window (every --dilation-th of the last
 --dilated-window keys), three implementations on the same random fp16 inputs, in one run:
 
-* ``sparse_window``: ``flashlab.gpu.attention(..., window=, dilation=)``, the pattern as its numbers;
+* ``sparse_window``: ``flashlab.gpu.attention(..., window=, dilation=, kernel="sparse_window")``, the pattern as its
+  numbers, on the sm_80 kernel (mma.sync, 128 x 64 tiles);
 * ``sparse_blocks``: the same pattern as a block mask (``blocksparse`` pattern -> ``sparse_layout``, made once
-  before the clock), the kernel that takes any pattern;
+  before the clock), the sm_80 kernel that takes any pattern;
+* ``hopper_window``, ``hopper_blocks``: the same two calls on the Hopper kernels (wgmma, TMA, a persistent grid;
+  128 x 128 tiles), what ``kernel="best"`` runs on an H100 or H200 (elsewhere their rows hold the plan's refusal);
 * ``flex``: PyTorch's FlexAttention (``torch.nn.attention.flex_attention``, compiled with ``torch.compile``) with the
   same mask (``create_block_mask`` of a ``mask_mod`` meaning the same pairs), timed after its warm-up. Both are
   compiled once per n, before anything is timed, and serve every pattern (:class:`Flex`); the compile times are
@@ -36,7 +39,7 @@ from . import add_protocols, error_line, gpu_main, max_diff, record_parser
 
 OUT_DIR = records.DATA_DIR / "benchmarks"
 TILE = (128, 64)  # the window kernel's tiles (flashlab.gpu.SPARSE_TILES): what the density is counted in
-IMPLS = ("sparse_window", "sparse_blocks", "flex")
+IMPLS = ("hopper_window", "hopper_blocks", "sparse_window", "sparse_blocks", "flex")
 
 
 def pattern_of(window: tuple[int | None, int | None], dilation: int = 1) -> blocksparse.Window:
@@ -210,23 +213,29 @@ def _one_length(args, rows: list[dict], q, k, v, flex: Flex | None, why_not: str
         info = {"pattern": label, "window": list(window), "dilation": dilation,
                 "density": pattern.block_mask(n, n, *TILE).density, "pairs": visible_pairs(pattern, n, n)}
 
-        def ours(window=window, dilation=dilation):
-            return fgpu.attention(q, k, v, window=window, dilation=dilation, out=(o, lse))
+        ref = fgpu.attention(q, k, v, window=window, dilation=dilation, kernel="sparse_window")[0]
+        for impl in ("hopper_window", "sparse_window"):
+            def ours(window=window, dilation=dilation, impl=impl, out=(o, lse)):
+                return fgpu.attention(q, k, v, window=window, dilation=dilation, kernel=impl, out=out)
 
-        ref = fgpu.attention(q, k, v, window=window, dilation=dilation)[0]
-        _time(args, rows, {**base, **info, "impl": "sparse_window"}, ours, "cupy",
-              lambda window=window, dilation=dilation: fgpu.attention(q, k, v, window=window, dilation=dilation)[0],
-              ref, "sparse_window")
-        if "sparse_blocks" in args.impls:
+            _time(args, rows, {**base, **info, "impl": impl}, ours, "cupy", lambda ours=ours: ours(out=None)[0], ref,
+                  "sparse_window")
+        bm = pattern.block_mask(n, n, *fgpu.sparse_block(d))
+        for impl in ("hopper_blocks", "sparse_blocks"):
+            if impl not in args.impls:
+                continue
             try:
-                layout = fgpu.sparse_layout(pattern.block_mask(n, n, *fgpu.sparse_block(d)))
+                layout = fgpu.sparse_layout(bm, kernel=impl)
             except Exception as e:  # noqa: BLE001 - e.g. out of memory: recorded, the table goes on
-                rows.append({**base, **info, "impl": "sparse_blocks", "error": _why(e)})
+                rows.append({**base, **info, "impl": impl, "error": _why(e)})
             else:
-                _time(args, rows, {**base, **info, "impl": "sparse_blocks", "layout_bytes": layout.nbytes},
-                      lambda layout=layout: fgpu.attention(q, k, v, block_mask=layout, out=(o, lse)), "cupy",
-                      lambda layout=layout: fgpu.attention(q, k, v, block_mask=layout)[0], ref, "sparse_window")
+                _time(args, rows, {**base, **info, "impl": impl, "layout_bytes": layout.nbytes},
+                      lambda layout=layout, impl=impl: fgpu.attention(q, k, v, block_mask=layout, kernel=impl,
+                                                                      out=(o, lse)), "cupy",
+                      lambda layout=layout, impl=impl: fgpu.attention(q, k, v, block_mask=layout, kernel=impl)[0],
+                      ref, "sparse_window")
                 del layout
+        del bm
         if flex is not None:
             _time_flex(args, rows, {**base, **info, "impl": "flex"}, flex, window, dilation, tq, tk, tv, ref,
                        "sparse_window")
@@ -380,9 +389,9 @@ def parser() -> argparse.ArgumentParser:
 
 def kernel_hashes() -> dict:
     """Provenance of a sparse record: the hash of the block-sparse kernel's source (the rungs' are there already)."""
-    from ..gpu import KERNEL_DIR, SPARSE_FILE
+    from ..gpu import HOPPER_SPARSE_FILE, KERNEL_DIR, SPARSE_FILE
 
-    return {"kernel_sha256_sparse": records.file_hashes([KERNEL_DIR / SPARSE_FILE])}
+    return {"kernel_sha256_sparse": records.file_hashes([KERNEL_DIR / SPARSE_FILE, KERNEL_DIR / HOPPER_SPARSE_FILE])}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -177,7 +177,7 @@ def hopper_problem(lim: DeviceLimits | None = None) -> str | None:
 REGISTER_CAPS = {"hopper/h3_warp_specialized.cu": 168, "hopper/h4_overlap.cu": 168,
                  "hopper/h5_three_stages.cu": 168, "hopper/h6_fused_exp.cu": 168,
                  "hopper/h7_rescale_under_s.cu": 168, "hopper/h8_persistent.cu": 168,
-                 "hopper/h9_balanced.cu": 168}
+                 "hopper/h9_balanced.cu": 168, "hopper/sparse_h8.cu": 168}
 # The fastest rung per (dtype, d), by flashlab.bench.forward.fastest_rung over data/benchmarks/r12_probe.json (rungs 11
 # and 12 and SDPA in one run, fp16 and bf16, both protocols): rung 12 at d = 64 (about 10 % faster), rung 11 at
 # d = 128, where the two are within 1 % (there rung 12 differs from rung 11 only in packing P early). Rung 11 was
@@ -684,11 +684,23 @@ SPARSE_KERNELS: dict[str, Rung] = {
                               "the window kernel with 32-key tiles at d = 128, for the GPUs where 64 spill",
                               defines=("-DBC_D128=32",)),
 }
+# The same two kernels on Hopper rung 8 (kernels/hopper/sparse_h8.cu): wgmma, TMA, a producer warpgroup and a
+# persistent grid, 128 x 128 tiles. sm_90a only, like the rungs it is built on.
+HOPPER_SPARSE_FILE = "hopper/sparse_h8.cu"
+SPARSE_KERNELS.update({
+    "hopper_window": Rung("hopper_window", HOPPER_SPARSE_FILE, 128, 384, ("f16", "bf16"), 90, _THREE_STAGE_SHARED,
+                          "Hopper rung 8 over the key tiles a sliding (dilated) window reaches, from its formula"),
+    "hopper_blocks": Rung("hopper_blocks", HOPPER_SPARSE_FILE, 128, 384, ("f16", "bf16"), 90, _THREE_STAGE_SHARED,
+                          "Hopper rung 8 over a list of computed tiles per query block; partial tiles masked by bits"),
+})
 # What each kind of call may run, fastest first (the plan takes the first this device runs without spilling).
-SPARSE_MODES = {"window": ("sparse_window", "sparse_window_c32"), "blocks": ("sparse_blocks",)}
-# Tile (queries x keys) of each kernel per head dimension; a block mask for sparse_blocks is built with these.
+SPARSE_MODES = {"window": ("hopper_window", "sparse_window", "sparse_window_c32"),
+                "blocks": ("hopper_blocks", "sparse_blocks")}
+# Tile (queries x keys) of each kernel per head dimension. A block mask is given in sparse_blocks' tiles
+# (sparse_block(d)); the Hopper kernel takes it re-blocked into its own (the mask keeps its pattern: exact).
 SPARSE_TILES = {"sparse_window": {64: (128, 64), 128: (128, 64)}, "sparse_blocks": {64: (128, 64), 128: (128, 64)},
-                "sparse_window_c32": {64: (128, 64), 128: (128, 32)}}
+                "sparse_window_c32": {64: (128, 64), 128: (128, 32)},
+                "hopper_window": {64: (128, 128), 128: (128, 128)}, "hopper_blocks": {64: (128, 128), 128: (128, 128)}}
 # (kernel, d) -> the architectures where its functions spill (nvcc 13, --resource-usage), as SPILLS for the rungs.
 # None: on rung 9's K lanes the window kernel spilled at d = 128 on sm_80-89 (the plan took sparse_window_c32
 # there) and the list kernel needed 32-key tiles at d = 128; rung 11's K lanes freed the registers (ptxas had
@@ -709,9 +721,12 @@ def sparse_problem(name: str, dt: str, d: int, positive_scale: bool, lim: Device
     can). Its spills count as a reason, as for "best": no other kernel can stand in for it."""
     rung = SPARSE_KERNELS[name]
     if dt not in rung.dtypes:
-        return f"takes float16 or bfloat16 (it is rung 11's tensor-core loop), not {dt}"
+        return f"takes float16 or bfloat16 (it is a tensor-core loop), not {dt}"
+    if rung.file.startswith("hopper/") and (problem := hopper_problem(lim)):  # not "sm_90 or newer": sm_90 only
+        return problem
     problem = launch_problem(f" at d = {d}", min_cc=rung.min_cc, shared_bytes=rung.shared_bytes(d),
-                             threads=rung.threads, lim=lim)
+                             threads=rung.threads, lim=lim,
+                             registers=REGISTER_CAPS.get(rung.file, MAX_REGISTERS_PER_THREAD))
     if problem is None and compiled_arch(lim.cc) in SPARSE_SPILLS.get((name, d), ()):
         problem = (f"spills registers at d = {d} on sm_{compiled_arch(lim.cc)} (more than the "
                    f"{MAX_REGISTERS_PER_THREAD} registers a thread may hold; flashlab.gpu.SPARSE_SPILLS)")
@@ -752,11 +767,12 @@ def _check_window(window, dilation, causal: bool, n: int, m: int) -> tuple[int, 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class SparseLayout:
-    """A block mask on the GPU as ``sparse_blocks`` reads it (made by ``sparse_layout``; reuse it across calls).
+    """A block mask on the GPU as a list kernel reads it (made by ``sparse_layout``; reuse it across calls).
 
-    ``row_ptr``/``tiles``: the computed key tiles of each query tile (``BlockMask.tile_list``); ``slots``: -1 for a
-    FULL tile, else the PARTIAL tile's slot in ``bits``; ``bits``: for each partial tile, each 16-row half of a
-    warp's rows and each thread, the thread's visibility bits in its mma fragment order (``pack_fragment_bits``).
+    ``row_ptr``/``tiles``: the computed key tiles of each query tile (``BlockMask.tile_list``) in the kernel's tiles;
+    ``slots``: -1 for a FULL tile, else the PARTIAL tile's slot in ``bits``; ``bits``: for each partial tile, each
+    thread's visibility bits in the order of its accumulators (``pack_fragment_bits`` for ``sparse_blocks``'s mma,
+    ``pack_wgmma_bits`` for ``hopper_blocks``'s wgmma).
     A short last key tile is PARTIAL here even where the pattern sees all of it: its missing keys must be masked,
     and FULL tiles are never masked."""
 
@@ -770,6 +786,9 @@ class SparseLayout:
     bits: Any
     reverse: bool  # later query tiles compute more tiles: launch them first
     counts: dict[str, int]  # tiles of each kind, as the kernel sees them
+    kernel: str = "sparse_blocks"  # the kernel it is laid out for (SPARSE_MODES["blocks"])
+    # heads -> the Hopper kernels' order of the output tiles (sparse_order), made on the first call with those heads
+    orders: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -791,13 +810,40 @@ def pack_fragment_bits(masks: np.ndarray) -> np.ndarray:
     return packed.view("<u2" if bc == 32 else "<u4")[..., 0].astype(np.uint32)
 
 
-# BlockMask -> {device: its layout}: kept while the mask lives (a mask is immutable: its layout cannot go stale)
+def pack_wgmma_bits(masks: np.ndarray) -> np.ndarray:
+    """Element masks of partial 128 x 128 tiles, ``(P, 128, 128)`` booleans, as ``hopper_blocks`` reads them: uint32
+    words ``(P, 2, 2, 128)``, word ``(p, c, w, t)`` holding thread t of consumer warpgroup c: bit ``4 (jj % 8) + e`` of
+    word ``w = jj // 8`` for its accumulator ``4 jj + e`` of the wgmma m64n128 layout, row ``64 c + 16 (t // 32) +
+    (t % 32) // 4 + 8 (e // 2)`` and column ``8 jj + 2 (t % 4) + e % 2``: two coalesced loads a thread per tile."""
+    p, rows, bc = masks.shape
+    if rows != 128 or bc != 128:
+        raise ValueError(f"partial-tile masks must be (P, 128, 128); got {masks.shape}")
+    # rows: c, warp, e2, g; columns: w, jl, tg, e1  ->  tile, c, w, (warp, g, tg), (jl, e2, e1)
+    x = masks.reshape(p, 2, 4, 2, 8, 2, 8, 4, 2).transpose(0, 1, 5, 2, 4, 7, 6, 3, 8).reshape(p, 2, 2, 128, 32)
+    return np.packbits(x, axis=-1, bitorder="little").view("<u4")[..., 0].astype(np.uint32)
+
+
+# BlockMask -> {(device, kernel): its layout}: kept while the mask lives (a mask is immutable: its layout cannot go
+# stale)
 _LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def sparse_layout(block_mask) -> SparseLayout:
+def _list_kernel(kernel: str) -> str:
+    """The list kernel a layout is made for: ``kernel``, or for "best" the one a ``block_mask=`` call runs here."""
+    names = SPARSE_MODES["blocks"]
+    if kernel == "best":
+        return next((n for n in names if sparse_problem(n, "f16", 64, True, device_limits()) is None), names[-1])
+    if kernel not in names:
+        raise ValueError(f"a block mask is laid out for one of {names}; got kernel={kernel!r}")
+    return kernel
+
+
+def sparse_layout(block_mask, kernel: str = "best") -> SparseLayout:
     """A ``blocksparse.BlockMask`` (built with ``sparse_block(d)`` tiles) on the GPU, ready for
-    ``attention(..., block_mask=layout)``: made once, so that a loop of calls does no host work for the mask."""
+    ``attention(..., block_mask=layout)``: made once, so that a loop of calls does no host work for the mask.
+    ``kernel``: the list kernel it is for (SPARSE_MODES["blocks"]); "best", the one a call runs on this GPU (a call
+    given the layout with kernel="best" runs the kernel it was made for). A kernel whose tiles differ from the
+    mask's (Hopper's 128 x 128) takes the mask's pattern re-blocked into its tiles, which is exact."""
     from .. import blocksparse
 
     cp = _cupy()
@@ -812,6 +858,11 @@ def sparse_layout(block_mask) -> SparseLayout:
         raise ValueError(f"the block mask has tiles of {bq} x {bk}; the block-sparse kernel reads tiles of "
                          + " or ".join(f"{a} x {b} (d = {' or '.join(ds)})" for (a, b), ds in dims.items())
                          + ": build it with pattern.block_mask(n, m, *flashlab.gpu.sparse_block(d))")
+    kernel = _list_kernel(kernel)
+    tiles = SPARSE_TILES[kernel][HEAD_DIMS[0]]
+    if (bq, bk) != tiles:
+        block_mask = block_mask.pattern.block_mask(block_mask.n, block_mask.m, *tiles)
+        bq, bk = tiles
     kinds = block_mask.kinds.copy()
     if block_mask.m % bk:  # a short last key tile: its missing keys need the mask
         kinds[:, -1] = np.where(kinds[:, -1] == blocksparse.FULL, blocksparse.PARTIAL, kinds[:, -1])
@@ -819,25 +870,26 @@ def sparse_layout(block_mask) -> SparseLayout:
     row_ptr, cols = padded.tile_list()
     partial = kinds[kinds != blocksparse.EMPTY] == blocksparse.PARTIAL  # in tile_list order (row-major)
     slots = np.where(partial, np.cumsum(partial) - 1, -1).astype(np.int32)
-    bits = pack_fragment_bits(padded.partial_masks())
+    pack = pack_wgmma_bits if bk == 128 else pack_fragment_bits
+    bits = pack(padded.partial_masks())
     per_row = np.diff(row_ptr)
     return SparseLayout(block_mask.n, block_mask.m, bq, bk, cp.asarray(row_ptr), cp.asarray(cols if cols.size else
                         np.zeros(1, np.int32)), cp.asarray(slots if slots.size else np.zeros(1, np.int32)),
                         cp.asarray(bits if bits.size else np.zeros((1, 2, 128), np.uint32)),
-                        bool(per_row.size > 1 and per_row[-1] > per_row[0]), padded.counts())
+                        bool(per_row.size > 1 and per_row[-1] > per_row[0]), padded.counts(), kernel)
 
 
-def _layout_for(block_mask, n: int, m: int, d: int) -> SparseLayout:
-    """``block_mask`` (a BlockMask or a SparseLayout) checked against the call and made a layout (kept with the mask
-    object while it lives, so that a loop of calls with one mask builds it once)."""
+def _layout_for(block_mask, n: int, m: int, d: int, kernel: str) -> SparseLayout:
+    """``block_mask`` (a BlockMask or a SparseLayout) checked against the call and made the layout of ``kernel``
+    (kept with the mask object while it lives, so that a loop of calls with one mask builds it once)."""
     from .. import blocksparse
 
     if isinstance(block_mask, blocksparse.BlockMask):
         per_device = _LAYOUTS.setdefault(block_mask, {})
-        dev = _device_id(_cupy())
-        layout = per_device.get(dev)
+        key = (_device_id(_cupy()), kernel)
+        layout = per_device.get(key)
         if layout is None:
-            layout = per_device[dev] = sparse_layout(block_mask)
+            layout = per_device[key] = sparse_layout(block_mask, kernel)
     elif isinstance(block_mask, SparseLayout):
         layout = block_mask
     else:
@@ -847,11 +899,54 @@ def _layout_for(block_mask, n: int, m: int, d: int) -> SparseLayout:
     if (layout.n, layout.m) != (n, m):
         raise ValueError(f"the block mask is for n = {layout.n} queries and m = {layout.m} keys; this call has "
                          f"n = {n}, m = {m}")
-    if (layout.block_q, layout.block_k) != sparse_block(d):
-        raise ValueError(f"the block mask has tiles of {layout.block_q} x {layout.block_k}; at d = {d} the "
-                         f"block-sparse kernel reads {sparse_block(d)[0]} x {sparse_block(d)[1]}: build it with "
-                         f"pattern.block_mask(n, m, *flashlab.gpu.sparse_block({d}))")
+    if layout.kernel != kernel:
+        raise ValueError(f"the layout was made for {layout.kernel}; this call runs {kernel}: make it with "
+                         f"flashlab.gpu.sparse_layout(block_mask, kernel={kernel!r}) (or kernel='best')")
     return layout
+
+
+def sparse_order(tiles_per_block, heads: int) -> np.ndarray:
+    """The order in which the Hopper kernels' persistent blocks take the output tiles (int32, ``qb + nqb * hb`` for
+    query block qb of head-and-batch-entry hb of ``heads``): most computed tiles first, so that the longest start first
+    and the last round is short (rung 9's rule); tiles with as many key tiles by head, then query block, so that
+    neighbouring query blocks of a window, which share most of their keys, run together and find them in L2."""
+    counts = np.asarray(tiles_per_block, dtype=np.int64)
+    nqb = counts.size
+    qb, hb = np.meshgrid(np.arange(nqb), np.arange(heads), indexing="xy")
+    rank = np.lexsort((qb.ravel(), hb.ravel(), -counts[qb.ravel()]))
+    return (qb.ravel()[rank] + nqb * hb.ravel()[rank]).astype(np.int32)
+
+
+def window_tiles_per_block(n: int, m: int, left: int, right: int, block_q: int, block_k: int) -> np.ndarray:
+    """Key tiles each query block of a window reaches (the window kernels' range; a dilation's rare empty tile
+    counted): query i sees keys i + m - n - left .. i + m - n + right."""
+    q0 = np.arange(0, n, block_q, dtype=np.int64)
+    qlast = np.minimum(q0 + block_q, n) - 1
+    lo = np.maximum(0, q0 + (m - n) - left)
+    hi = np.minimum(m - 1, qlast + (m - n) + right)
+    return np.where(hi >= lo, hi // block_k - lo // block_k + 1, 0)
+
+
+_ORDERS: dict[tuple, Any] = {}  # (device, window, heads) -> a sparse_order on the GPU
+_ORDERS_KEPT = 64
+
+
+def _order(what: tuple, heads: int, tiles_per_block):
+    """``sparse_order`` on the GPU, made once per window (``what``: its numbers) and number of heads;
+    ``tiles_per_block``: a function giving the counts, called on the first use only."""
+    key = (_device_id(_cupy()), what, heads)
+    order = _ORDERS.get(key)
+    if order is None:
+        order = _cupy().asarray(sparse_order(tiles_per_block(), heads))
+        if len(_ORDERS) >= _ORDERS_KEPT:
+            _ORDERS.pop(next(iter(_ORDERS)))
+        _ORDERS[key] = order
+    return order
+
+
+def _layout_kernel(block_mask, kernel):
+    """The kernel a block-sparse call asks for: a layout given with kernel="best" runs the kernel it was made for."""
+    return block_mask.kernel if isinstance(block_mask, SparseLayout) and kernel == "best" else kernel
 
 
 _NO_LIST: dict[int, Any] = {}  # device -> a one-element int32 array: the window kernel's unused list arguments
@@ -876,7 +971,9 @@ def _sparse_attention(q, k, v, o, lse, dt: str, d: int, scale: float, causal: bo
         mode = "blocks"
     else:
         mode = "window"
+    kernel = _layout_kernel(block_mask, kernel)
     rung = _sparse_plan(mode, dt, d, scale > 0, kernel, device_limits()).spec
+    hopper_file = rung.file.startswith("hopper/")
     if mode == "window":
         left, right, stride = _check_window(window, dilation, causal, n, m)
         dev = _device_id(cp)
@@ -885,16 +982,32 @@ def _sparse_attention(q, k, v, o, lse, dt: str, d: int, scale: float, causal: bo
             lists = _NO_LIST[dev] = cp.zeros(1, dtype=cp.int32)
         lists = (lists, lists, lists, lists)
         reverse = left >= n + m  # no left limit: later blocks see more keys
+        if hopper_file:  # the output tiles ranked by their key tiles, most first (the Hopper kernel's schedule)
+            tiles = SPARSE_TILES[rung.name][d]
+            reverse = _order(("window", n, m, left, right, tiles), H * B,
+                             lambda: window_tiles_per_block(n, m, left, right, *tiles))
         fn = f"attn_window_{dt}_d{d}"
     else:
-        layout = _layout_for(block_mask, n, m, d)
+        layout = _layout_for(block_mask, n, m, d, rung.name)
         left = right = stride = 0
-        lists, reverse = (layout.row_ptr, layout.tiles, layout.slots, layout.bits), layout.reverse
+        lists = (layout.row_ptr, layout.tiles, layout.slots, layout.bits)
+        reverse = layout.reverse
+        if hopper_file:
+            reverse = layout.orders.get(H * B)
+            if reverse is None:
+                reverse = layout.orders[H * B] = cp.asarray(sparse_order(np.diff(layout.row_ptr.get()), H * B))
         fn = f"attn_blocks_{dt}_d{d}"
     kern = kernel_function(rung.file, fn, defines=rung.defines, shared_bytes=rung.shared_bytes(d))
+    grid, more = (math.ceil(n / rung.block_rows), H, B), ()
+    if hopper_file:  # tensor maps for q, k and v; a persistent grid, which takes the batch size last
+        from . import hopper
+
+        q, k, v = hopper.tma_maps(q, k, v, dt, d, rung.file)
+        grid, more = hopper.launch_shape(rung.file, grid, device_limits().sm_count)
+    # the sm_80 kernels take whether to run the query blocks last first; the Hopper kernel the order array
     args = (q, k, v, o, lse, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk), np.float32(scale), np.int32(left),
-            np.int32(right), np.int32(stride), np.int32(reverse), *lists)
-    kern((math.ceil(n / rung.block_rows), H, B), (rung.threads,), args, shared_mem=rung.shared_bytes(d))
+            np.int32(right), np.int32(stride), reverse if hopper_file else np.int32(reverse), *lists, *more)
+    kern(grid, (rung.threads,), args, shared_mem=rung.shared_bytes(d))
 
 
 def plan(q, k, v, *, causal: bool = False, scale: float | None = None, kernel: str | Rung = "best",
@@ -906,9 +1019,9 @@ def plan(q, k, v, *, causal: bool = False, scale: float | None = None, kernel: s
     block may use (``MaxSharedMemoryPerBlockOptin``) and its registers decide (``device_limits``); a named
     kernel that cannot run raises ValueError naming the limit. ``print(plan(q, k, v))`` says what was chosen and
     why each faster rung was passed over. The backward and decoding have ``plan_backward`` and ``plan_decode``.
-    A block-sparse call (``window=`` or ``block_mask=``) runs a kernel of ``SPARSE_MODES``: ``sparse_window`` (or
-    ``sparse_window_c32`` where it would spill: ``SPARSE_SPILLS``) or ``sparse_blocks``; where this GPU runs none,
-    ValueError says why.
+    A block-sparse call (``window=`` or ``block_mask=``) runs a kernel of ``SPARSE_MODES``: on an H100 or H200
+    ``hopper_window`` or ``hopper_blocks`` (wgmma, sm_90a), elsewhere ``sparse_window`` (or ``sparse_window_c32``
+    where it would spill: ``SPARSE_SPILLS``) or ``sparse_blocks``; where this GPU runs none, ValueError says why.
     """
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be True or False; got {causal!r}")
@@ -916,6 +1029,7 @@ def plan(q, k, v, *, causal: bool = False, scale: float | None = None, kernel: s
     d = q.shape[-1]
     if window is not None or block_mask is not None:
         mode = "blocks" if block_mask is not None else "window"
+        kernel = _layout_kernel(block_mask, kernel)
         return _sparse_plan(mode, dt, d, check_scale(scale, d) > 0, kernel, device_limits())
     return _forward_plan(dt, d, check_scale(scale, d) > 0, kernel, device_limits())
 
