@@ -362,6 +362,40 @@ def summary(rows: list[dict]) -> list[str]:
     return lines
 
 
+def markdown_table(rows: list[dict], n: int) -> str:
+    """The docs' table of a record at sequence length ``n``: per pattern and protocol, each implementation's time in
+    ms with its time per computed tile over dense causal's and FlexAttention's time over its own ("ms (per tile,
+    x flex)"; FlexAttention's own cell: ms (per tile)), after a line with dense causal's times."""
+    ratios = per_tile_ratios(rows)
+    ok = [r for r in rows if "error" not in r and r["n"] == n]
+    ms = {(r["impl"], records.protocol_of(r), r["pattern"]): r["median_ms"] for r in ok}
+    impls = [i for i in IMPLS if any(r["impl"] == i for r in ok)]
+    dense = "; ".join(f"{p}: the course's kernel {ms[('causal', p, 'causal')]:.3f} ms, FlexAttention "
+                      + (f"{ms[('flex_causal', p, 'causal')]:.3f} ms" if ("flex_causal", p, "causal") in ms else "–")
+                      for p in records.PROTOCOLS if ("causal", p, "causal") in ms)
+    lines = [f"n = {n}, dense causal ({dense}):", "",
+             "| pattern | tile density | protocol | " + " | ".join(f"`{i}`" for i in impls) + " |",
+             "|---|---|---|" + "---|" * len(impls)]
+    patterns = [r["pattern"] for r in ok if r["pattern"] != "causal"]
+    for pattern in dict.fromkeys(patterns):
+        density = next(r["density"] for r in ok if r["pattern"] == pattern)
+        for p in records.PROTOCOLS:
+            cells = []
+            for impl in impls:
+                t = ms.get((impl, p, pattern))
+                if t is None:
+                    cells.append("–")
+                    continue
+                tile = ratios.get((impl, p, n, pattern))
+                fl = ms.get(("flex", p, pattern))
+                extra = [f"{tile:.2f}"] if tile is not None else []
+                if impl != "flex" and fl is not None:
+                    extra.append(f"{fl / t:.2f}")
+                cells.append(f"{t:.3f} ({', '.join(extra)})" if extra else f"{t:.3f}")
+            lines.append(f"| {pattern} | {density:.4f} | {p} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _span(values: list[float]) -> str:
     """A range of ratios to two decimals, one number when both ends print alike."""
     lo, hi = min(values), max(values)
