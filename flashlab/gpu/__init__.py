@@ -981,21 +981,21 @@ def _sparse_attention(q, k, v, o, lse, dt: str, d: int, scale: float, causal: bo
         if lists is None:
             lists = _NO_LIST[dev] = cp.zeros(1, dtype=cp.int32)
         lists = (lists, lists, lists, lists)
-        reverse = left >= n + m  # no left limit: later blocks see more keys
+        schedule = left >= n + m  # sm_80: no left limit, later blocks see more keys: launch them first
         if hopper_file:  # the output tiles ranked by their key tiles, most first (the Hopper kernel's schedule)
             tiles = SPARSE_TILES[rung.name][d]
-            reverse = _order(("window", n, m, left, right, tiles), H * B,
+            schedule = _order(("window", n, m, left, right, tiles), H * B,
                              lambda: window_tiles_per_block(n, m, left, right, *tiles))
         fn = f"attn_window_{dt}_d{d}"
     else:
         layout = _layout_for(block_mask, n, m, d, rung.name)
         left = right = stride = 0
         lists = (layout.row_ptr, layout.tiles, layout.slots, layout.bits)
-        reverse = layout.reverse
+        schedule = layout.reverse
         if hopper_file:
-            reverse = layout.orders.get(H * B)
-            if reverse is None:
-                reverse = layout.orders[H * B] = cp.asarray(sparse_order(np.diff(layout.row_ptr.get()), H * B))
+            schedule = layout.orders.get(H * B)
+            if schedule is None:
+                schedule = layout.orders[H * B] = cp.asarray(sparse_order(np.diff(layout.row_ptr.get()), H * B))
         fn = f"attn_blocks_{dt}_d{d}"
     kern = kernel_function(rung.file, fn, defines=rung.defines, shared_bytes=rung.shared_bytes(d))
     grid, more = (math.ceil(n / rung.block_rows), H, B), ()
@@ -1006,7 +1006,7 @@ def _sparse_attention(q, k, v, o, lse, dt: str, d: int, scale: float, causal: bo
         grid, more = hopper.launch_shape(rung.file, grid, device_limits().sm_count)
     # the sm_80 kernels take whether to run the query blocks last first; the Hopper kernel the order array
     args = (q, k, v, o, lse, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk), np.float32(scale), np.int32(left),
-            np.int32(right), np.int32(stride), reverse if hopper_file else np.int32(reverse), *lists, *more)
+            np.int32(right), np.int32(stride), schedule if hopper_file else np.int32(schedule), *lists, *more)
     kern(grid, (rung.threads,), args, shared_mem=rung.shared_bytes(d))
 
 
