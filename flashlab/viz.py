@@ -358,8 +358,8 @@ def plot_ring_work(works: dict[str, Sequence[float]], *, ylabel: str = "(query, 
 # The implementations of `python -m flashlab bench sparse`, with their dense causal row: (label, colour, dense impl).
 SPARSE_IMPLS = {"hopper_window": ("Hopper window kernel (window=)", "#1f78b4", "causal"),
                 "hopper_blocks": ("Hopper list kernel (block_mask=)", "#e7298a", "causal"),
-                "sparse_window": ("window kernel (window=)", "#1b9e77", "causal"),
-                "sparse_blocks": ("list kernel (block_mask=)", "#7570b3", "causal"),
+                "sparse_window": ("sm_80 window kernel (window=)", "#1b9e77", "causal"),
+                "sparse_blocks": ("sm_80 list kernel (block_mask=)", "#7570b3", "causal"),
                 "flex": ("FlexAttention, same mask", "#d95f02", "flex_causal")}
 
 
