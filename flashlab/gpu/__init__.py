@@ -1002,8 +1002,7 @@ def _sparse_attention(q, k, v, o, lse, dt: str, d: int, scale: float, causal: bo
     if hopper_file:  # tensor maps for q, k and v; a persistent grid, which takes the batch size last
         from . import hopper
 
-        q, k, v = hopper.tma_maps(q, k, v, dt, d, rung.file)
-        grid, more = hopper.launch_shape(rung.file, grid, device_limits().sm_count)
+        (q, k, v), grid, more = hopper.launch_inputs(rung.file, q, k, v, dt, d, grid, device_limits().sm_count)
     # the sm_80 kernels take whether to run the query blocks last first; the Hopper kernel the order array
     args = (q, k, v, o, lse, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk), np.float32(scale), np.int32(left),
             np.int32(right), np.int32(stride), schedule if hopper_file else np.int32(schedule), *lists, *more)
@@ -1134,9 +1133,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kern
     if rung.file.startswith("hopper/"):
         from . import hopper
 
-        if rung.file in hopper.TMA_FILES:  # these take tensor maps of q, k and v
-            q, k, v = hopper.tma_maps(q, k, v, dt, d, rung.file)
-        grid, more = hopper.launch_shape(rung.file, grid, device_limits().sm_count)
+        (q, k, v), grid, more = hopper.launch_inputs(rung.file, q, k, v, dt, d, grid, device_limits().sm_count)
     args = (q, k, v, o, lse, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk), np.float32(scale),
             np.int32(bool(causal)), *more)
     kern(grid, (rung.threads,), args, shared_mem=rung.shared_bytes(d))

@@ -205,6 +205,15 @@ def launch_shape(file: str, grid: tuple[int, int, int], sm_count: int) -> tuple[
     return grid, ()
 
 
+def launch_inputs(file: str, q, k, v, dt: str, d: int, grid: tuple[int, int, int], sm_count: int):
+    """What a launcher passes the Hopper kernel of ``file`` (dense or block-sparse): q, k and v (their tensor maps
+    where it reads by TMA), its grid, and the arguments it takes after the others (``launch_shape``)."""
+    if file in TMA_FILES:
+        q, k, v = tma_maps(q, k, v, dt, d, file)
+    grid, more = launch_shape(file, grid, sm_count)
+    return (q, k, v), grid, more
+
+
 PANEL = 64  # columns of one box: one 128-byte row of 16-bit elements, the span of the 128-byte swizzle
 #: A tensor map as a kernel argument: 128 bytes passed by value (CuPy passes a NumPy structured scalar's bytes).
 TENSOR_MAP_DTYPE = np.dtype([("opaque", np.uint64, (16,))])
