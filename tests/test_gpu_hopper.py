@@ -131,7 +131,7 @@ def test_tensor_maps_are_built_once_per_array():
     assert first.dtype.itemsize == 128
 
 
-@pytest.mark.parametrize("rung", ["persistent", "balanced"])
+@pytest.mark.parametrize("rung", ["persistent", "balanced", "merged"])
 @pytest.mark.parametrize("blocks", [1, 2, 5, None])
 def test_persistent_rung_walks_several_tiles_per_block(rng, monkeypatch, blocks, rung):
     """The persistent rungs with fewer blocks than output tiles: each block walks several tiles, so the ring's
@@ -149,6 +149,8 @@ def test_persistent_rung_walks_several_tiles_per_block(rng, monkeypatch, blocks,
             tga._check(rng, rung, dt, 2, 2, 1, 333, 129, d, False)
             # the first 263 rows see no key: tiles 0 and 1 have no key tile at all
             O, L = tga._check(rng, rung, dt, 1, 3, 3, 300, 37, d, True)
+            # m - n = 64: the lower consumer's causal end is a key tile short of the upper one's
+            tga._check(rng, rung, dt, 1, 2, 1, 270, 334, d, True)
             assert (O[..., :263, :] == 0).all() and np.isneginf(L[..., :263]).all()
     if blocks is None:  # more tiles than SMs: 4 * 16 * 8 = 512
         tga._check(rng, rung, "f16", 8, 16, 4, 500, 500, 128, True)

@@ -120,6 +120,10 @@ RUNGS: dict[str, Rung] = {
 # Q, three stages of K and V, the 1024-byte alignment of the swizzle and 128 bytes of barriers.
 _THREE_STAGE_SHARED = (-(-((128 + 6 * 128) * 64 * 2 + 1024 + 128) // 64),
                        -(-((128 + 6 * 128) * 128 * 2 + 1024 + 128) // 128))
+# Rung 10 (and the block-sparse kernel built on the same loop): two buffers of Q and a ring of K and V of
+# MERGED_STAGES[d] stages (three would not fit beside the second Q at d = 128), alignment and 128 bytes of barriers.
+MERGED_STAGES = {64: 3, 128: 2}
+_MERGED_SHARED = tuple(-(-((2 * 128 + 2 * MERGED_STAGES[d] * 128) * d * 2 + 1024 + 128) // d) for d in HEAD_DIMS)
 HOPPER_RUNGS = {
     "wgmma": Rung("wgmma", "hopper/h1_wgmma.cu", 64, 128, ("f16", "bf16"), 90,
                   (((64 + 4 * 128) * 64 * 2 + 1024) // 64, ((64 + 4 * 64) * 128 * 2 + 1024) // 128),
@@ -156,11 +160,14 @@ HOPPER_RUNGS = {
                      _THREE_STAGE_SHARED,
                      "a balanced causal schedule: the persistent blocks take the causal tiles of all heads longest "
                      "first, dealt in a snake (scale > 0)"),
+    "merged": Rung("merged", "hopper/h10_merged.cu", 128, 384, ("f16", "bf16"), 90, _MERGED_SHARED,
+                   "merged turns: the next tile's first S with this tile's last P V, O stored between their waits, "
+                   "Q double-buffered (two K/V stages at d = 128; scale > 0)"),
 }
 # Hopper rungs that keep the maximum of the raw scores, and so need scale > 0 (the plan refuses them otherwise;
 # "best" then runs HOPPER_ANY_SCALE's rung).
 HOPPER_POSITIVE_SCALE_ONLY = frozenset({"hopper/h6_fused_exp.cu", "hopper/h7_rescale_under_s.cu",
-                                        "hopper/h8_persistent.cu", "hopper/h9_balanced.cu"})
+                                        "hopper/h8_persistent.cu", "hopper/h9_balanced.cu", "hopper/h10_merged.cu"})
 
 
 def hopper_problem(lim: DeviceLimits | None = None) -> str | None:
@@ -177,7 +184,7 @@ def hopper_problem(lim: DeviceLimits | None = None) -> str | None:
 REGISTER_CAPS = {"hopper/h3_warp_specialized.cu": 168, "hopper/h4_overlap.cu": 168,
                  "hopper/h5_three_stages.cu": 168, "hopper/h6_fused_exp.cu": 168,
                  "hopper/h7_rescale_under_s.cu": 168, "hopper/h8_persistent.cu": 168,
-                 "hopper/h9_balanced.cu": 168, "hopper/sparse_h8.cu": 168}
+                 "hopper/h9_balanced.cu": 168, "hopper/h10_merged.cu": 168, "hopper/sparse_h8.cu": 168}
 # The fastest rung per (dtype, d), by flashlab.bench.forward.fastest_rung over data/benchmarks/r12_probe.json (rungs 11
 # and 12 and SDPA in one run, fp16 and bf16, both protocols): rung 12 at d = 64 (about 10 % faster), rung 11 at
 # d = 128, where the two are within 1 % (there rung 12 differs from rung 11 only in packing P early). Rung 11 was
@@ -687,10 +694,13 @@ SPARSE_KERNELS: dict[str, Rung] = {
 # The same two kernels on Hopper rung 8 (kernels/hopper/sparse_h8.cu): wgmma, TMA, a producer warpgroup and a
 # persistent grid, 128 x 128 tiles. sm_90a only, like the rungs it is built on.
 HOPPER_SPARSE_FILE = "hopper/sparse_h8.cu"
+# Its loop is rung 10's (merged turns, two Q buffers), and so is its shared memory.
+HOPPER_SPARSE_STAGES = MERGED_STAGES
+HOPPER_SPARSE_SHARED = _MERGED_SHARED
 SPARSE_KERNELS.update({
-    "hopper_window": Rung("hopper_window", HOPPER_SPARSE_FILE, 128, 384, ("f16", "bf16"), 90, _THREE_STAGE_SHARED,
+    "hopper_window": Rung("hopper_window", HOPPER_SPARSE_FILE, 128, 384, ("f16", "bf16"), 90, HOPPER_SPARSE_SHARED,
                           "Hopper rung 8 over the key tiles a sliding (dilated) window reaches, from its formula"),
-    "hopper_blocks": Rung("hopper_blocks", HOPPER_SPARSE_FILE, 128, 384, ("f16", "bf16"), 90, _THREE_STAGE_SHARED,
+    "hopper_blocks": Rung("hopper_blocks", HOPPER_SPARSE_FILE, 128, 384, ("f16", "bf16"), 90, HOPPER_SPARSE_SHARED,
                           "Hopper rung 8 over a list of computed tiles per query block; partial tiles masked by bits"),
 })
 # What each kind of call may run, fastest first (the plan takes the first this device runs without spilling).
