@@ -98,6 +98,8 @@ bench-hopper: setup
 	$(BENCH) forward --name hopper --impls wgmma tma specialized overlap three_stages fused_exp rescale_under_s \
 	    persistent balanced three_blocks k_lanes sdpa_flash sdpa_cudnn --d 64 128 \
 	    --n 1024 4096 16384 --causal both --dtypes float16 bfloat16 --repeat 20 --warmup 3
+	$(BENCH) forward --name hopper_merged --impls tma balanced merged sdpa_flash sdpa_cudnn --d 64 128 \
+	    --n 1024 4096 16384 --causal both --dtypes float16 bfloat16 --repeat 20 --warmup 3
 
 bench-decode: setup
 	$(BENCH) decode --m 65536 --splits 4 16 20 41 64 128 256 --repeat 20 --warmup 3

@@ -7,6 +7,7 @@ in data/raw/ncu. Each file is named here (data/README.md lists them all, with wh
 
 from __future__ import annotations
 
+import json
 import math
 import pathlib
 import statistics
@@ -230,17 +231,22 @@ def test_best_rung_is_the_one_the_probe_run_chooses():
 
 
 def test_hopper_best_is_the_one_the_h200_run_chooses():
-    """HOPPER_BEST is what ``fastest_rung`` picks among the Hopper rungs from the H200 run that timed them side by
-    side (every dtype, n, mask and protocol), and that run is an sm_90 one. Rung H10 came after that run: it is
-    named by kernel="merged" and not a candidate of "best" until a run times it beside the others."""
+    """HOPPER_BEST is what ``fastest_rung`` picks among rungs H1-H9 from the H200 run that timed them side by side
+    (every dtype, n, mask and protocol), then between that rung and H10 from the run that timed H10 beside H2 and H9
+    (the rungs H1-H9's run chose); both runs are sm_90 ones."""
     record = records.read_record(forward.HOPPER_PROBE)
-    assert str(record["provenance"]["compute_capability"]) == "90"
+    merged = records.read_record(forward.HOPPER_MERGED_PROBE)
+    assert str(record["provenance"]["compute_capability"]) == str(merged["provenance"]["compute_capability"]) == "90"
     rows = [r for r in record["rows"] if "error" not in r]
+    mrows = [r for r in merged["rows"] if "error" not in r]
     rungs = [name for name in fgpu.HOPPER_RUNGS if name in {r["impl"] for r in rows}]
     assert rungs == [name for name in fgpu.HOPPER_RUNGS if name != "merged"]
-    assert "merged" not in fgpu.HOPPER_BEST.values()
+    assert {r["impl"] for r in mrows} == {"tma", "balanced", "merged", "sdpa_flash", "sdpa_cudnn"}
+    assert {(r["dtype"], r["d"], r["n"], r["causal"], records.protocol_of(r)) for r in mrows} == {
+        (r["dtype"], r["d"], r["n"], r["causal"], records.protocol_of(r)) for r in rows}
     for d in fgpu.HEAD_DIMS:
-        choice = forward.fastest_rung(rows, d, rungs)
+        # H10 replaces the rung chosen from H1-H9 where it is faster than that rung in the run that timed both
+        choice = forward.fastest_rung(mrows, d, [forward.fastest_rung(rows, d, rungs), "merged"])
         assert fgpu.HOPPER_BEST[("f16", d)] == fgpu.HOPPER_BEST[("bf16", d)] == choice, (d, choice)
         any_scale = [r for r in rungs if fgpu.HOPPER_RUNGS[r].file not in fgpu.HOPPER_POSITIVE_SCALE_ONLY]
         assert fgpu.HOPPER_ANY_SCALE[d] == forward.fastest_rung(rows, d, any_scale), d
@@ -257,7 +263,7 @@ def test_chapter_11_statements_hold_in_the_h200_run():
     def at(impl, shape):
         return t[(impl, *shape)]
 
-    hopper = [h for h in fgpu.HOPPER_RUNGS if h != "merged"]  # H1-H9: the rungs of this run
+    hopper = [h for h in fgpu.HOPPER_RUNGS if h != "merged"]  # H1-H9: the rungs of this run (H10: its own run)
     before_h10 = hopper
     for s in shapes:
         assert at("tma", s) > at("wgmma", s) and at("tma", s) > at("sdpa_flash", s), s
@@ -411,3 +417,45 @@ def test_host_time_record_measures_every_launcher_before_and_after():
         assert 0 < r["host_us_q1"] <= r["host_us"] <= r["host_us_q3"], r
     table = host.format_rows(rows)
     assert all(f"`{op}`" in table for op in host.OPS)
+
+
+def test_chapter_11_statements_on_rung_h10_hold_in_its_run():
+    """Chapter 11, section 13, against data/benchmarks/hopper_merged.json (H10 beside H2, H9 and SDPA, one run)."""
+    rows = [r for r in records.read_record(forward.HOPPER_MERGED_PROBE)["rows"] if "error" not in r]
+    ms = {(r["impl"], r["dtype"], r["d"], r["n"], r["causal"], records.protocol_of(r)): r["median_ms"] for r in rows}
+    shapes = {k[1:] for k in ms}
+    keys = ("dtype", "d", "n", "causal", "protocol")
+
+    def speedups(a, b, **where):  # time(b) / time(a): above 1 where a is faster
+        return [ms[(b, *s)] / ms[(a, *s)] for s in shapes if all(s[keys.index(k)] == v for k, v in where.items())]
+
+    def span(v):
+        return f"{min(v):.2f}-{max(v):.2f}x"
+
+    cells = json.loads((records.ROOT / "notebooks" / "11_hopper.ipynb").read_text())["cells"]
+    text = " ".join("".join(next(c for c in cells if c.get("id") == "h10-merged-results")["source"]).split())
+    over_h9 = speedups("merged", "balanced")
+    assert sum(r <= 1.0 for r in over_h9) == 1
+    assert (f"at $d = 128$ {span(speedups('merged', 'balanced', d=128, n=16384))} at $n = 16384$ and "
+            f"{span(speedups('merged', 'balanced', d=128))} overall" in text)
+    d64 = speedups("merged", "balanced", d=64)
+    assert f"{statistics.geometric_mean(d64):.2f}x by the geometric mean at $d = 64$ ({span(d64)} row by row)" in text
+    assert forward.fastest_rung(rows, 128, ["balanced", "merged"]) == "merged"
+    long = {dt: [x for n in (4096, 16384) for x in speedups("merged", "sdpa_cudnn", d=128, n=n, dtype=dt)]
+            for dt in ("float16", "bfloat16")}
+    both = long["float16"] + long["bfloat16"]
+    assert f"reaches {statistics.geometric_mean(both):.2f}x by the geometric mean" in text
+    assert f"({span(long['float16'])} row by row in fp16, {span(long['bfloat16'])} in bf16)" in text
+    assert min(both) < 0.9  # "not met yet"
+    h9 = [statistics.geometric_mean([x for n in (4096, 16384) for x in speedups("balanced", "sdpa_cudnn", d=128, n=n,
+                                                                                 dtype=dt)])
+          for dt in ("float16", "bfloat16")]
+    assert f"where H9 had {min(h9):.2f}-{max(h9):.2f}x" in text
+    assert statistics.geometric_mean(d64) > statistics.geometric_mean(speedups("merged", "balanced", d=128))
+    causal, full = (speedups("merged", "balanced", d=128, n=1024, causal=c) for c in (True, False))
+    assert f"the causal rows gain {100 * min(causal) - 100:.0f}-{100 * max(causal) - 100:.0f} %" in text
+    assert f"the full ones {100 * min(full) - 100:.0f}-{100 * max(full) - 100:.0f} %" in text
+    assert max(causal) < min(full)
+    vs_h2 = statistics.geometric_mean(speedups("merged", "tma", d=64))
+    assert vs_h2 < 1 and f"H10 at {vs_h2:.2f}x of H2" in text
+    assert forward.fastest_rung(rows, 64, ["tma", "merged"]) == "tma"

@@ -182,6 +182,9 @@ RUNG_PROBE = "benchmarks/r10_probe"
 BEST_PROBE = "benchmarks/r12_probe"
 # The run that timed the Hopper rungs side by side on an H200 (flashlab.gpu.HOPPER_BEST, by ``fastest_rung``).
 HOPPER_PROBE = "benchmarks/hopper"
+# The run that timed rung H10 beside H9 and SDPA's backends (H10 came after HOPPER_PROBE's run): "best" takes H10
+# where ``fastest_rung`` over this run prefers it to the rung HOPPER_PROBE chose.
+HOPPER_MERGED_PROBE = "benchmarks/hopper_merged"
 # A later rung replaces an earlier one only if it is faster by more than this (geometric mean over a run's rows):
 # two rungs of one run closer than that swap places from run to run.
 TIE = 0.01
