@@ -94,12 +94,14 @@ KNOWN_VARIANTS: tuple[KnownVariant, ...] = (
 # ------------------------------------------------------------------------------------------------- the files
 def kernel_files() -> list[pathlib.Path]:
     """Every kernel file: the forward ladder in the order of ``RUNGS``, then the others (chapter 8) by name, then
-    chapter 11's Hopper files (``hopper/``) by name. The Hopper rungs share their helpers through two headers
+    chapter 11's Hopper files (``hopper/``): its rungs in the order of ``HOPPER_RUNGS`` (h10 after h9), then the
+    others by name. The Hopper rungs share their helpers through two headers
     (``wgmma.cuh``, ``tma.cuh``) instead of copying them: NVRTC is given those headers' text with every build
     (:func:`flashlab.gpu.hopper.inlined_source`), so an edit to one does recompile them."""
     forward = [KERNEL_DIR / r.file for r in RUNGS.values()]
     rest = sorted(p for p in KERNEL_DIR.glob("*.cu") if p not in forward)
-    return forward + rest + sorted(KERNEL_DIR.glob("hopper/*.cu"))
+    hopper = [KERNEL_DIR / r.file for r in HOPPER_RUNGS.values()]
+    return forward + rest + hopper + sorted(p for p in KERNEL_DIR.glob("hopper/*.cu") if p not in hopper)
 
 
 def copying_files() -> list[pathlib.Path]:
