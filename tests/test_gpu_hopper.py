@@ -112,6 +112,24 @@ def test_rung_takes_a_negative_scale_or_refuses_it(rng, rung):
 
 
 @pytest.mark.parametrize("rung", RUNGS)
+def test_rung_writes_only_the_rows_of_its_output(rung):
+    """Given out=, a rung writes o and lse and nothing past them: the words after each array (a sentinel the call
+    must leave as it is) and the rows of a ragged last tile (n = 70 and 200: 58 and 56 rows past n in the tile)."""
+    import cupy as cp
+
+    rng = np.random.default_rng(5)
+    for n, d in ((70, 64), (200, 128)):
+        q = cp.asarray(rng.standard_normal((1, 2, n, d)), cp.float16)
+        size = q.size
+        obuf = cp.full(size + 64 * d, 12345.0, cp.float16)
+        lbuf = cp.full(2 * n + 64, 12345.0, cp.float32)
+        o, lse = obuf[:size].reshape(q.shape), lbuf[:2 * n].reshape(q.shape[:-1])
+        fgpu.attention(q, q, q, causal=True, kernel=rung, out=(o, lse))
+        assert bool((obuf[size:] == 12345.0).all()) and bool((lbuf[2 * n:] == 12345.0).all()), (rung, n, d)
+        assert bool(cp.isfinite(o).all()) and bool(cp.isfinite(lse).all())
+
+
+@pytest.mark.parametrize("rung", RUNGS)
 def test_rung_refuses_float32(rung):
     import cupy as cp
 
@@ -131,7 +149,7 @@ def test_tensor_maps_are_built_once_per_array():
     assert first.dtype.itemsize == 128
 
 
-@pytest.mark.parametrize("rung", ["persistent", "balanced", "merged"])
+@pytest.mark.parametrize("rung", ["persistent", "balanced", "merged", "staged"])
 @pytest.mark.parametrize("blocks", [1, 2, 5, None])
 def test_persistent_rung_walks_several_tiles_per_block(rng, monkeypatch, blocks, rung):
     """The persistent rungs with fewer blocks than output tiles: each block walks several tiles, so the ring's

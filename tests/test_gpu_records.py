@@ -19,9 +19,10 @@ from flashlab import records
 from flashlab.bench import backward, decode, forward, host, memory, peak, profile, train
 
 FORWARD = ("benchmarks/ladder", "benchmarks/memory_sweep", "benchmarks/memory_sweep_rung2", "benchmarks/protocols",
-           "benchmarks/r12_probe")
+           "benchmarks/r12_probe", "benchmarks/hopper", "benchmarks/hopper_merged", "benchmarks/hopper_staged")
 # records timed under both protocols: every timed implementation and shape has a row of each
-BOTH_PROTOCOLS = ("benchmarks/protocols", "ch8/bwd", "ch8/decode", "ch8/decode_gqa", "benchmarks/r12_probe")
+BOTH_PROTOCOLS = ("benchmarks/protocols", "ch8/bwd", "ch8/decode", "ch8/decode_gqa", "benchmarks/r12_probe",
+                  "benchmarks/hopper", "benchmarks/hopper_merged", "benchmarks/hopper_staged")
 ROW_KEYS = {"impl", "pass", "dtype", "d", "n", "batch", "heads", "causal", "median_ms", "tflops"}
 PROVENANCE_KEYS = {"date_utc", "command", "gpu", "cupy", "numpy", "torch", "cuda_runtime", "nvidia_smi"}
 # summary -> the Nsight Compute CSV it is made from
@@ -232,22 +233,27 @@ def test_best_rung_is_the_one_the_probe_run_chooses():
 
 def test_hopper_best_is_the_one_the_h200_run_chooses():
     """HOPPER_BEST is what ``fastest_rung`` picks among rungs H1-H9 from the H200 run that timed them side by side
-    (every dtype, n, mask and protocol), then between that rung and H10 from the run that timed H10 beside H2 and H9
-    (the rungs H1-H9's run chose); both runs are sm_90 ones."""
+    (every dtype, n, mask and protocol), then, rung by rung, between the choice so far and each later rung (H10,
+    H11) from the run that timed that rung beside the rungs chosen before it; every run an sm_90 one."""
     record = records.read_record(forward.HOPPER_PROBE)
-    merged = records.read_record(forward.HOPPER_MERGED_PROBE)
-    assert str(record["provenance"]["compute_capability"]) == str(merged["provenance"]["compute_capability"]) == "90"
+    assert str(record["provenance"]["compute_capability"]) == "90"
     rows = [r for r in record["rows"] if "error" not in r]
-    mrows = [r for r in merged["rows"] if "error" not in r]
+    later = list(forward.HOPPER_LATER_PROBES)
+    assert later == list(fgpu.HOPPER_RUNGS)[-len(later):]  # the rungs after H9, in ladder order
     rungs = [name for name in fgpu.HOPPER_RUNGS if name in {r["impl"] for r in rows}]
-    assert rungs == [name for name in fgpu.HOPPER_RUNGS if name != "merged"]
-    assert {r["impl"] for r in mrows} == {"tma", "balanced", "merged", "sdpa_flash", "sdpa_cudnn"}
-    assert {(r["dtype"], r["d"], r["n"], r["causal"], records.protocol_of(r)) for r in mrows} == {
-        (r["dtype"], r["d"], r["n"], r["causal"], records.protocol_of(r)) for r in rows}
+    assert rungs == [name for name in fgpu.HOPPER_RUNGS if name not in later]
+    shapes = {(r["dtype"], r["d"], r["n"], r["causal"], records.protocol_of(r)) for r in rows}
+    choice = {d: forward.fastest_rung(rows, d, rungs) for d in fgpu.HEAD_DIMS}
+    for name, probe in forward.HOPPER_LATER_PROBES.items():
+        run = records.read_record(probe)
+        assert str(run["provenance"]["compute_capability"]) == "90", probe
+        lrows = [r for r in run["rows"] if "error" not in r]
+        assert {"sdpa_flash", "sdpa_cudnn", name, *choice.values()} <= {r["impl"] for r in lrows}, probe
+        assert {(r["dtype"], r["d"], r["n"], r["causal"], records.protocol_of(r)) for r in lrows} == shapes, probe
+        # the later rung replaces the choice so far where it is faster in the run that timed both
+        choice = {d: forward.fastest_rung(lrows, d, [choice[d], name]) for d in fgpu.HEAD_DIMS}
     for d in fgpu.HEAD_DIMS:
-        # H10 replaces the rung chosen from H1-H9 where it is faster than that rung in the run that timed both
-        choice = forward.fastest_rung(mrows, d, [forward.fastest_rung(rows, d, rungs), "merged"])
-        assert fgpu.HOPPER_BEST[("f16", d)] == fgpu.HOPPER_BEST[("bf16", d)] == choice, (d, choice)
+        assert fgpu.HOPPER_BEST[("f16", d)] == fgpu.HOPPER_BEST[("bf16", d)] == choice[d], (d, choice)
         any_scale = [r for r in rungs if fgpu.HOPPER_RUNGS[r].file not in fgpu.HOPPER_POSITIVE_SCALE_ONLY]
         assert fgpu.HOPPER_ANY_SCALE[d] == forward.fastest_rung(rows, d, any_scale), d
 
@@ -263,7 +269,7 @@ def test_chapter_11_statements_hold_in_the_h200_run():
     def at(impl, shape):
         return t[(impl, *shape)]
 
-    hopper = [h for h in fgpu.HOPPER_RUNGS if h != "merged"]  # H1-H9: the rungs of this run (H10: its own run)
+    hopper = [h for h in fgpu.HOPPER_RUNGS if h not in forward.HOPPER_LATER_PROBES]  # H1-H9: this run's rungs
     before_h10 = hopper
     for s in shapes:
         assert at("tma", s) > at("wgmma", s) and at("tma", s) > at("sdpa_flash", s), s
@@ -459,3 +465,54 @@ def test_chapter_11_statements_on_rung_h10_hold_in_its_run():
     vs_h2 = statistics.geometric_mean(speedups("merged", "tma", d=64))
     assert vs_h2 < 1 and f"H10 at {vs_h2:.2f}x of H2" in text
     assert forward.fastest_rung(rows, 64, ["tma", "merged"]) == "tma"
+
+
+def test_chapter_11_statements_on_rung_h11_hold_in_its_run():
+    """Chapter 11, section 14, against data/benchmarks/hopper_staged.json (H11 beside H2, H10 and SDPA, one run)."""
+    rows = [r for r in records.read_record(forward.HOPPER_STAGED_PROBE)["rows"] if "error" not in r]
+    ms = {(r["impl"], r["dtype"], r["d"], r["n"], r["causal"], records.protocol_of(r)): r["median_ms"] for r in rows}
+    shapes = {k[1:] for k in ms}
+    keys = ("dtype", "d", "n", "causal", "protocol")
+
+    def speedups(a, b, **where):  # time(b) / time(a): above 1 where a is faster
+        return [ms[(b, *s)] / ms[(a, *s)] for s in shapes if all(s[keys.index(k)] == v for k, v in where.items())]
+
+    def span(v):
+        return f"{min(v):.2f}-{max(v):.2f}x"
+
+    def gm(v):
+        return f"{statistics.geometric_mean(v):.2f}x"
+
+    cells = json.loads((records.ROOT / "notebooks" / "11_hopper.ipynb").read_text())["cells"]
+    text = " ".join("".join(next(c for c in cells if c.get("id") == "h11-staged-results")["source"]).split())
+    d128, d64 = speedups("staged", "merged", d=128), speedups("staged", "merged", d=64)
+    assert (f"by the geometric mean at both head dimensions: {gm(d128)} at $d = 128$ and {gm(d64)} at $d = 64$ "
+            f"({span(d128)} and {span(d64)} row by row, slower at {sum(x < 1 for x in d128 + d64)} of "
+            f"{len(d128 + d64)} rows)") in text
+    assert min(statistics.geometric_mean(d128), statistics.geometric_mean(d64)) > 1
+    by_n = {n: gm(speedups("staged", "merged", d=128, n=n)) for n in (1024, 4096, 16384)}
+    assert f"{by_n[1024]} at $n = 1024$, {by_n[4096]} at 4096 and at 16384" in text and by_n[4096] == by_n[16384]
+    assert by_n[1024] > by_n[4096]  # "where the prediction put it"
+    causal, full = (gm(speedups("staged", "merged", d=128, causal=c)) for c in (True, False))
+    assert causal > full and f"more with the causal mask ({causal}) than without ({full})" in text
+    at64 = {gm(speedups("staged", "merged", d=64, n=n)) for n in (1024, 4096, 16384)}
+    assert len(at64) == 1 and f"({at64.pop()} at every $n$)" in text
+    assert forward.fastest_rung(rows, 128, ["merged", "staged"]) == "staged"
+    long = {dt: [x for n in (4096, 16384) for x in speedups("staged", "sdpa_cudnn", d=128, n=n, dtype=dt)]
+            for dt in ("float16", "bfloat16")}
+    both = long["float16"] + long["bfloat16"]
+    h10 = [x for dt in ("float16", "bfloat16") for n in (4096, 16384)
+           for x in speedups("merged", "sdpa_cudnn", d=128, n=n, dtype=dt)]
+    assert (f"it reaches {gm(both)} by the geometric mean ({span(long['float16'])} row by row in fp16, "
+            f"{span(long['bfloat16'])} in bf16; H10 {gm(h10)} in the same run): {sum(x >= 0.9 for x in both)} of those "
+            f"{len(both)} rows are at 0.9x or above") in text
+    assert sum(x < 0.9 for x in both) == 1  # "one is just below"
+    vs_h2 = statistics.geometric_mean(speedups("staged", "tma", d=64))
+    assert vs_h2 < 1 and f"H11 at {vs_h2:.2f}x of H2" in text
+    assert forward.fastest_rung(rows, 64, ["tma", "staged"]) == "tma"
+    # "H10 reached 0.91x of cuDNN in its own run, 0.93x here"
+    own = [r for r in records.read_record(forward.HOPPER_MERGED_PROBE)["rows"] if "error" not in r]
+    own_ms = {(r["impl"], r["dtype"], r["d"], r["n"], r["causal"], records.protocol_of(r)): r["median_ms"]
+              for r in own}
+    h10_own = [own_ms[("sdpa_cudnn", *s)] / own_ms[("merged", *s)] for s in shapes if s[1] == 128 and s[2] >= 4096]
+    assert f"(H10 reached {gm(h10_own)[:-1]}x of cuDNN in its own run, {gm(h10)[:-1]}x here)" in text

@@ -771,6 +771,7 @@ def notes_numbers(rows: list[dict]) -> dict[str, str]:
         return next(w for i, w in enumerate(windows) if all(within[i:]))
 
     dilated = next(r["pattern"] for r in ok if r["dilation"] > 1)
+    ms = {(r["impl"], records.protocol_of(r), r["n"], r["pattern"]): r["median_ms"] for r in ok}
     causal = {(r["n"], records.protocol_of(r)): r for r in ok if r["impl"] == "causal"}
     per_sm = 16384 // 128 * 16 / 132
     tile_us = causal[(16384, "throughput")]["median_ms"] * 1e3 / (sum(range(1, 129)) * 16 / 132)
@@ -793,6 +794,8 @@ def notes_numbers(rows: list[dict]) -> dict[str, str]:
         "REF_16": f"{causal[(16384, 'throughput')]['tflops']:.0f}",
         "DILATED_BLOCKS": span(tiles("hopper_blocks", dilated)),
         "DILATED_WINDOW": span(tiles("hopper_window", dilated)),
+        "LATENCY_EXTRA": span([ms[(i, "latency", 16384, p)] - ms[(i, "throughput", 16384, p)]
+                               for (i, _, n, p) in ms if i.startswith("hopper_") and n == 16384], " ms more a call"),
     }
 
 
@@ -817,18 +820,24 @@ def test_the_notes_state_the_recorded_block_sparse_run():
     assert all(flex[(records.protocol_of(r), r["n"], r["pattern"])] < r["median_ms"] for r in ok
                if r["impl"].startswith("sparse_") and r["dilation"] == 1 and r["window"][0] >= 2048
                and records.protocol_of(r) == "throughput")  # "from w = 2048 they lose to FlexAttention"
-    # chapter 3's reading of the plot: from w = 1024 the Hopper kernels lie on the line (within the 15 % of the
-    # notes), at w = 256 above it and FlexAttention further above; on the dilated pattern the list kernel stays near
-    # it and the window kernel lies above
+    # chapter 3's reading of the plot: from w = 1024 (2048 under the latency protocol) the Hopper kernels lie on the
+    # line (within the 15 % of the notes), at w = 256 above it and FlexAttention further above; on the dilated
+    # pattern the list kernel stays near it and the window kernel lies above
     ratios = sparse.per_tile_ratios(ok)
     hopper = {key: v for key, v in ratios.items() if key[0].startswith("hopper_")}
-    assert all(v <= 1.155 for (_, _, _, pat), v in hopper.items()
-               if pat.startswith("window ") and int(pat.split()[1]) >= 1024)
+    on_line = {"throughput": 1024, "latency": 2048}
+    assert all(v <= 1.155 for (_, p, _, pat), v in hopper.items()
+               if pat.startswith("window ") and int(pat.split()[1]) >= on_line[p])
+    assert any(v > 1.155 for (_, p, _, pat), v in hopper.items() if pat == "window 1024" and p == "latency")
     for (impl, p, n, pat), v in hopper.items():
         if pat == "window 256":
-            assert 1.15 < v < ratios[("flex", p, n, pat)], (impl, p, n)
+            assert 1.0 < v < ratios[("flex", p, n, pat)], (impl, p, n)
         if pat.startswith("dilated"):
             assert (v <= 1.15) == (impl == "hopper_blocks"), (impl, p, n, v)
+    # "not met there, but for hopper_window at n = 65536 under the throughput protocol"
+    assert [key for key, v in hopper.items() if key[3] == "window 256" and v <= 1.15] == [
+        ("hopper_window", "throughput", 65536, "window 256")]
     cells = json.loads(next((fgpu.KERNEL_DIR.parents[2] / "notebooks").glob("03_*.ipynb")).read_text())["cells"]
     lesson = " ".join("".join(next(c for c in cells if c.get("id") == "sparse-gpu-lesson")["source"]).split())
-    assert "From windows of 1024 keys on, the Hopper kernels' points lie on the dashed line" in lesson
+    assert ("From windows of 1024 keys on (2048 under the latency protocol, where each call's own fixed time counts "
+            "too), the Hopper kernels' points lie on the dashed line") in lesson

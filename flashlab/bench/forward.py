@@ -185,6 +185,12 @@ HOPPER_PROBE = "benchmarks/hopper"
 # The run that timed rung H10 beside H9 and SDPA's backends (H10 came after HOPPER_PROBE's run): "best" takes H10
 # where ``fastest_rung`` over this run prefers it to the rung HOPPER_PROBE chose.
 HOPPER_MERGED_PROBE = "benchmarks/hopper_merged"
+# The run that timed rung H11 beside H10, H2 and SDPA's backends: "best" takes H11 where ``fastest_rung`` over this
+# run prefers it to the rung chosen before it.
+HOPPER_STAGED_PROBE = "benchmarks/hopper_staged"
+# The rungs that came after HOPPER_PROBE's run, in ladder order, each with the run that timed it beside the rungs
+# "best" chose before it.
+HOPPER_LATER_PROBES = {"merged": HOPPER_MERGED_PROBE, "staged": HOPPER_STAGED_PROBE}
 # A later rung replaces an earlier one only if it is faster by more than this (geometric mean over a run's rows):
 # two rungs of one run closer than that swap places from run to run.
 TIE = 0.01

@@ -124,6 +124,8 @@ _THREE_STAGE_SHARED = (-(-((128 + 6 * 128) * 64 * 2 + 1024 + 128) // 64),
 # MERGED_STAGES[d] stages (three would not fit beside the second Q at d = 128), alignment and 128 bytes of barriers.
 MERGED_STAGES = {64: 3, 128: 2}
 _MERGED_SHARED = tuple(-(-((2 * 128 + 2 * MERGED_STAGES[d] * 128) * d * 2 + 1024 + 128) // d) for d in HEAD_DIMS)
+# Rung 11 (and the block-sparse kernel): rung 10's, and O's staging tiles, 16 rows of d for each of the 8 consumer warps.
+_STAGED_SHARED = tuple(-(-((2 * 128 + 2 * MERGED_STAGES[d] * 128 + 128) * d * 2 + 1024 + 128) // d) for d in HEAD_DIMS)
 HOPPER_RUNGS = {
     "wgmma": Rung("wgmma", "hopper/h1_wgmma.cu", 64, 128, ("f16", "bf16"), 90,
                   (((64 + 4 * 128) * 64 * 2 + 1024) // 64, ((64 + 4 * 64) * 128 * 2 + 1024) // 128),
@@ -163,11 +165,15 @@ HOPPER_RUNGS = {
     "merged": Rung("merged", "hopper/h10_merged.cu", 128, 384, ("f16", "bf16"), 90, _MERGED_SHARED,
                    "merged turns: the next tile's first S with this tile's last P V, O stored between their waits, "
                    "Q double-buffered (two K/V stages at d = 128; scale > 0)"),
+    "staged": Rung("staged", "hopper/h11_staged_store.cu", 128, 384, ("f16", "bf16"), 90, _STAGED_SHARED,
+                   "O stored through shared memory: stmatrix into a swizzled staging tile, then 16-byte stores of "
+                   "whole rows instead of 4-byte ones (scale > 0)"),
 }
 # Hopper rungs that keep the maximum of the raw scores, and so need scale > 0 (the plan refuses them otherwise;
 # "best" then runs HOPPER_ANY_SCALE's rung).
 HOPPER_POSITIVE_SCALE_ONLY = frozenset({"hopper/h6_fused_exp.cu", "hopper/h7_rescale_under_s.cu",
-                                        "hopper/h8_persistent.cu", "hopper/h9_balanced.cu", "hopper/h10_merged.cu"})
+                                        "hopper/h8_persistent.cu", "hopper/h9_balanced.cu", "hopper/h10_merged.cu",
+                                        "hopper/h11_staged_store.cu"})
 
 
 def hopper_problem(lim: DeviceLimits | None = None) -> str | None:
@@ -184,7 +190,8 @@ def hopper_problem(lim: DeviceLimits | None = None) -> str | None:
 REGISTER_CAPS = {"hopper/h3_warp_specialized.cu": 168, "hopper/h4_overlap.cu": 168,
                  "hopper/h5_three_stages.cu": 168, "hopper/h6_fused_exp.cu": 168,
                  "hopper/h7_rescale_under_s.cu": 168, "hopper/h8_persistent.cu": 168,
-                 "hopper/h9_balanced.cu": 168, "hopper/h10_merged.cu": 168, "hopper/sparse_h8.cu": 168}
+                 "hopper/h9_balanced.cu": 168, "hopper/h10_merged.cu": 168, "hopper/h11_staged_store.cu": 168,
+                 "hopper/sparse_h8.cu": 168}
 # The fastest rung per (dtype, d), by flashlab.bench.forward.fastest_rung over data/benchmarks/r12_probe.json (rungs 11
 # and 12 and SDPA in one run, fp16 and bf16, both protocols): rung 12 at d = 64 (about 10 % faster), rung 11 at
 # d = 128, where the two are within 1 % (there rung 12 differs from rung 11 only in packing P early). Rung 11 was
@@ -194,9 +201,10 @@ BEST = {("f32", 64): "smem_tiles", ("f32", 128): "smem_tiles",
         ("f16", 64): "three_blocks", ("f16", 128): "k_lanes", ("bf16", 64): "three_blocks", ("bf16", 128): "k_lanes"}
 # The fastest Hopper rung per (dtype, d), which "best" runs on sm_90 (compute capability 9.0) only: by
 # flashlab.bench.forward.fastest_rung over data/benchmarks/hopper.json (rungs H1-H9, rungs 11-12 and SDPA in one
-# run on an H200, fp16 and bf16, both protocols), then between that rung and H10 over data/benchmarks/hopper_merged.json
-# (the run that timed them side by side): H10 at d = 128, H2 at d = 64 (three 128-thread blocks an SM).
-HOPPER_BEST = {("f16", 64): "tma", ("f16", 128): "merged", ("bf16", 64): "tma", ("bf16", 128): "merged"}
+# run on an H200, fp16 and bf16, both protocols), then, for each later rung, between the choice so far and that rung
+# over the run that timed them side by side (flashlab.bench.forward.HOPPER_LATER_PROBES: H10 in hopper_merged.json,
+# H11 in hopper_staged.json): H11 at d = 128, H2 at d = 64 (three 128-thread blocks an SM).
+HOPPER_BEST = {("f16", 64): "tma", ("f16", 128): "staged", ("bf16", 64): "tma", ("bf16", 128): "staged"}
 # The fastest of the Hopper rungs that take any scale, by the same rule over the same run: "best" runs it where the
 # scale is not positive and HOPPER_BEST needs it to be (H6 keeps the maximum of the raw scores).
 HOPPER_ANY_SCALE = {64: "tma", 128: "three_stages"}
@@ -695,9 +703,9 @@ SPARSE_KERNELS: dict[str, Rung] = {
 # The same two kernels on Hopper rung 8 (kernels/hopper/sparse_h8.cu): wgmma, TMA, a producer warpgroup and a
 # persistent grid, 128 x 128 tiles. sm_90a only, like the rungs it is built on.
 HOPPER_SPARSE_FILE = "hopper/sparse_h8.cu"
-# Its loop is rung 10's (merged turns, two Q buffers), and so is its shared memory.
+# Its loop is rung 10's (merged turns, two Q buffers) and its epilogue rung 11's, and so is its shared memory.
 HOPPER_SPARSE_STAGES = MERGED_STAGES
-HOPPER_SPARSE_SHARED = _MERGED_SHARED
+HOPPER_SPARSE_SHARED = _STAGED_SHARED
 SPARSE_KERNELS.update({
     "hopper_window": Rung("hopper_window", HOPPER_SPARSE_FILE, 128, 384, ("f16", "bf16"), 90, HOPPER_SPARSE_SHARED,
                           "Hopper rung 8 over the key tiles a sliding (dilated) window reaches, from its formula"),

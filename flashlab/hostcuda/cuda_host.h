@@ -210,6 +210,21 @@ inline void hostcuda_ldmatrix_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsig
     if (trans) ldsm_x4_t(r, addr); else ldsm_x4(r, addr);
     r0 = r[0], r1 = r[1], r2 = r[2], r3 = r[3];
 }
+// stmatrix x4 (kernels/hopper/epilogue.cuh), ldmatrix's inverse: lane l writes row l % 8 of block l / 8, the words
+// that lanes 4 (l % 8) .. 4 (l % 8) + 3 hold in their register l / 8.
+inline void stsm_x4(unsigned addr, unsigned r0, unsigned r1, unsigned r2, unsigned r3) {
+    const int w = threadIdx.x / 32, l = threadIdx.x % 32;
+    g_xa[w][l][0] = r0, g_xa[w][l][1] = r1, g_xa[w][l][2] = r2, g_xa[w][l][3] = r3;
+    warp_sync();
+    for (int t = 0; t < 4; ++t) std::memcpy(smem_ptr(addr) + 4 * t, &g_xa[w][4 * (l % 8) + t][l / 8], 4);
+    warp_sync();
+}
+inline uint4 lds_v4(unsigned addr) {
+    uint4 v;
+    std::memcpy(&v, smem_ptr(addr), 16);
+    return v;
+}
+inline void stg_v4(void* p, uint4 v) { std::memcpy(p, &v, 16); }
 template <float (*CV)(std::uint16_t)>
 inline void hostcuda_mma_m16n8k16(float& d0, float& d1, float& d2, float& d3, unsigned a0, unsigned a1, unsigned a2,
                                   unsigned a3, unsigned b0, unsigned b1, float c0, float c1, float c2, float c3) {

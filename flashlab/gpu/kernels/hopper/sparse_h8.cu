@@ -12,7 +12,9 @@
 // (FlashAttention-3's persistent order), O is stored between the two waits, under the other consumer's products, and
 // Q has two buffers, so that the next tile's Q is loaded while this one computes. K and V have "empty" barriers of
 // their own: a stage's K is free once its S has read it, a turn before its V. Two Q buffers leave room for two
-// stages of K and V at d = 128 (three at d = 64). Persistence matters more here than for dense attention: rung 7's
+// stages of K and V at d = 128 (three at d = 64). O goes out through shared memory in 16-byte stores (epilogue.cuh,
+// as rung 11): stored straight from the accumulators, 4 bytes at a time, it filled the queue of global stores at every
+// output tile. Persistence matters more here than for dense attention: rung 7's
 // one block per tile would leave the SM idle for the launch, Q's copy and the first S of every tile; here they run
 // under the last products of the tile before. Two ways to say which tiles an output tile computes, one kernel for
 // each, as the sm_80 kernel (sparse_r9_window.cu):
@@ -35,10 +37,11 @@
 //
 // Inputs fp16 or bf16 by tensor maps (boxes of 64 rows for q, 128 for k and v). Grid: (min(tiles, SMs), 1, 1)
 // with tiles = ceil(n / 128) * H * B, B passed last; block: 384 threads; dynamic shared memory:
-// (2 * 128 + 2 * STAGES * BC) * D * 2 + 1024 + 128 bytes (flashlab.gpu.HOPPER_SPARSE_SHARED). Tiles are 128 x 128 at both head dimensions (the block mask's
-// tile size). Needs scale > 0, as rung 6. Rows that see no key get o = 0 and lse = -inf.
+// (2 * 128 + 2 * STAGES * BC + 128) * D * 2 + 1024 + 128 bytes (flashlab.gpu.HOPPER_SPARSE_SHARED). Tiles are
+// 128 x 128 at both head dimensions (the block mask's tile size). Needs scale > 0, as rung 6. Rows that see no key get o = 0 and lse = -inf.
 #include "wgmma.cuh"
 #include "tma.cuh"
+#include "epilogue.cuh"
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 #define BR 128  // query rows per block: 64 per consumer warpgroup
@@ -77,6 +80,7 @@ __device__ void attn_sparse(const TensorMap* qmap, const TensorMap* kmap, const 
     // mbarriers: Q's "full" and "empty" per buffer, then per stage K's and V's "full" and K's and V's "empty"
     const u32 qfull = vbuf + STAGES * BC * D * 2, qempty = qfull + 16, fullk = qempty + 16, fullv = fullk + 8 * STAGES,
               emptyk = fullv + 8 * STAGES, emptyv = emptyk + 8 * STAGES;
+    const u32 ostage = qfull + 128;  // O's staging tiles (epilogue.cuh): 16 rows of D a warp, 8 warps
     const int nqb = (n + BR - 1) / BR, ntiles_all = nqb * H * B;
     const int off = m - n;  // query i stands at position i + off
     const int role = threadIdx.x / 128;  // 0: the producer, 1 and 2: the consumers
@@ -354,14 +358,7 @@ __device__ void attn_sparse(const TensorMap* qmap, const TensorMap* kmap, const 
         float* lb = lse + ((size_t)t.b * H + t.h) * n;
         const int row0 = t.q0 + 64 * c + 16 * warp + g, row1 = row0 + 8;
         const float i0 = !empty && r.s0 > 0.f ? 1.f / r.s0 : 0.f, i1 = !empty && r.s1 > 0.f ? 1.f / r.s1 : 0.f;
-#pragma unroll
-        for (int jj = 0; jj < D / 8; ++jj) {
-            const int col = 8 * jj + 2 * tg;
-            const u32 a = empty ? 0u : Ty::pack(oacc[4 * jj] * i0, oacc[4 * jj + 1] * i0);
-            const u32 b = empty ? 0u : Ty::pack(oacc[4 * jj + 2] * i1, oacc[4 * jj + 3] * i1);
-            if (row0 < n) *(u32*)(ob + (size_t)row0 * D + col) = a;
-            if (row1 < n) *(u32*)(ob + (size_t)row1 * D + col) = b;
-        }
+        store_rows<Ty, D>(oacc, i0, i1, empty, ostage + (4 * c + warp) * 16 * D * 2, ob, row0 - g, n, lane);
         if (tg == 0) {
             if (row0 < n) lb[row0] = !empty && r.s0 > 0.f ? (r.m0 + __log2f(r.s0)) * LN2 : NEG_INF;
             if (row1 < n) lb[row1] = !empty && r.s1 > 0.f ? (r.m1 + __log2f(r.s1)) * LN2 : NEG_INF;
