@@ -124,7 +124,8 @@ _THREE_STAGE_SHARED = (-(-((128 + 6 * 128) * 64 * 2 + 1024 + 128) // 64),
 # MERGED_STAGES[d] stages (three would not fit beside the second Q at d = 128), alignment and 128 bytes of barriers.
 MERGED_STAGES = {64: 3, 128: 2}
 _MERGED_SHARED = tuple(-(-((2 * 128 + 2 * MERGED_STAGES[d] * 128) * d * 2 + 1024 + 128) // d) for d in HEAD_DIMS)
-# Rung 11 (and the block-sparse kernel): rung 10's, and O's staging tiles, 16 rows of d for each of the 8 consumer warps.
+# Rung 11 (and the block-sparse kernel): rung 10's, and O's staging tiles, 16 rows of d for each of the 8
+# consumer warps.
 _STAGED_SHARED = tuple(-(-((2 * 128 + 2 * MERGED_STAGES[d] * 128 + 128) * d * 2 + 1024 + 128) // d) for d in HEAD_DIMS)
 HOPPER_RUNGS = {
     "wgmma": Rung("wgmma", "hopper/h1_wgmma.cu", 64, 128, ("f16", "bf16"), 90,
