@@ -164,7 +164,7 @@ HOPPER_RUNGS = {
                      "a balanced causal schedule: the persistent blocks take the causal tiles of all heads longest "
                      "first, dealt in a snake (scale > 0)"),
     "merged": Rung("merged", "hopper/h10_merged.cu", 128, 384, ("f16", "bf16"), 90, _MERGED_SHARED,
-                   "merged turns: the next tile's first S with this tile's last P V, O stored between their waits, "
+                   "merged turns: the next tile's first S with this tile's last P V, O stored after them, "
                    "Q double-buffered (two K/V stages at d = 128; scale > 0)"),
     "staged": Rung("staged", "hopper/h11_staged_store.cu", 128, 384, ("f16", "bf16"), 90, _STAGED_SHARED,
                    "O stored through shared memory: stmatrix into a swizzled staging tile, then 16-byte stores of "
