@@ -20,6 +20,17 @@ def test_every_hopper_file_is_known():
     assert set(FILES) == rungs | {"hopper/peak_wgmma.cu", fgpu.HOPPER_SPARSE_FILE}
 
 
+def test_the_launchers_sets_follow_the_kernels_sources():
+    """The sets the launcher derives from the order of the ladder (each rung keeps what the rungs before it added)
+    agree with what each file does: tensor maps where it calls tma_load_3d, the persistent launch (the batch size as
+    the last argument) where its kernels take it, the 384-thread register cap where its blocks have 384 threads."""
+    text = {f: (fgpu.KERNEL_DIR / f).read_text() for f in FILES}
+    assert hopper.TMA_FILES == {f for f, t in text.items() if "tma_load_3d(" in t}
+    assert hopper.PERSISTENT_FILES == {f for f, t in text.items() if "int B) {" in t}
+    assert set(fgpu.REGISTER_CAPS) == {f for f, t in text.items() if "#define NTHREADS 384" in t}
+    assert set(hopper.KEY_TILE_OF) == {f for f, t in text.items() if "#define BC 128" in t}
+
+
 @needs_nvcc
 def test_the_sparse_kernel_has_every_entry_point_and_no_compiler_inserted_waits():
     names = {k["kernel"] for k in hopper.compile_report(fgpu.HOPPER_SPARSE_FILE)}

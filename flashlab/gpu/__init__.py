@@ -170,11 +170,18 @@ HOPPER_RUNGS = {
                    "O stored through shared memory: stmatrix into a swizzled staging tile, then 16-byte stores of "
                    "whole rows instead of 4-byte ones (scale > 0)"),
 }
+
+
+def hopper_files_from(first: str) -> frozenset[str]:
+    """The files of the Hopper rungs from ``first`` on, in the order of HOPPER_RUNGS: each rung keeps what the rungs
+    before it added (a rung that dropped one would be listed by hand instead)."""
+    names = list(HOPPER_RUNGS)
+    return frozenset(HOPPER_RUNGS[name].file for name in names[names.index(first):])
+
+
 # Hopper rungs that keep the maximum of the raw scores, and so need scale > 0 (the plan refuses them otherwise;
-# "best" then runs HOPPER_ANY_SCALE's rung).
-HOPPER_POSITIVE_SCALE_ONLY = frozenset({"hopper/h6_fused_exp.cu", "hopper/h7_rescale_under_s.cu",
-                                        "hopper/h8_persistent.cu", "hopper/h9_balanced.cu", "hopper/h10_merged.cu",
-                                        "hopper/h11_staged_store.cu"})
+# "best" then runs HOPPER_ANY_SCALE's rung): H6 on.
+HOPPER_POSITIVE_SCALE_ONLY = hopper_files_from("fused_exp")
 
 
 def hopper_problem(lim: DeviceLimits | None = None) -> str | None:
@@ -188,11 +195,8 @@ def hopper_problem(lim: DeviceLimits | None = None) -> str | None:
 
 # Kernels built with __launch_bounds__(threads, 1) for blocks of more than 256 threads: ptxas caps their registers at
 # 65536 / threads (rounded down to 8), so such a block fits the register file where 255 a thread would not.
-REGISTER_CAPS = {"hopper/h3_warp_specialized.cu": 168, "hopper/h4_overlap.cu": 168,
-                 "hopper/h5_three_stages.cu": 168, "hopper/h6_fused_exp.cu": 168,
-                 "hopper/h7_rescale_under_s.cu": 168, "hopper/h8_persistent.cu": 168,
-                 "hopper/h9_balanced.cu": 168, "hopper/h10_merged.cu": 168, "hopper/h11_staged_store.cu": 168,
-                 "hopper/sparse_h8.cu": 168}
+# The 384-thread ones: H3 on, and the block-sparse kernel built on them.
+REGISTER_CAPS = {**{file: 168 for file in sorted(hopper_files_from("specialized"))}, "hopper/sparse_h8.cu": 168}
 # The fastest rung per (dtype, d), by flashlab.bench.forward.fastest_rung over data/benchmarks/r12_probe.json (rungs 11
 # and 12 and SDPA in one run, fp16 and bf16, both protocols): rung 12 at d = 64 (about 10 % faster), rung 11 at
 # d = 128, where the two are within 1 % (there rung 12 differs from rung 11 only in packing P early). Rung 11 was

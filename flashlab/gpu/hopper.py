@@ -31,7 +31,7 @@ import tempfile
 
 import numpy as np
 
-from . import KERNEL_DIR, parse_resource_usage
+from . import HOPPER_SPARSE_FILE, KERNEL_DIR, hopper_files_from, parse_resource_usage
 
 HOPPER_DIR = KERNEL_DIR / "hopper"
 PREFIX = "hopper/"
@@ -174,20 +174,14 @@ def emulated_attention(q, k, v, *, causal: bool = False, scale: float | None = N
 
 # ------------------------------------------------------------------------------------------- tensor maps (TMA)
 #: The files whose kernels take tensor maps for q, k and v instead of pointers.
-TMA_FILES = frozenset({"hopper/h2_tma.cu", "hopper/h3_warp_specialized.cu", "hopper/h4_overlap.cu",
-                       "hopper/h5_three_stages.cu", "hopper/h6_fused_exp.cu", "hopper/h7_rescale_under_s.cu",
-                       "hopper/h8_persistent.cu", "hopper/h9_balanced.cu", "hopper/h10_merged.cu",
-                       "hopper/h11_staged_store.cu", "hopper/sparse_h8.cu"})
+TMA_FILES = hopper_files_from("tma") | {HOPPER_SPARSE_FILE}  # H2 on, and the block-sparse kernel
 #: Keys per tile of the Hopper rungs at each head dimension (their BC); from rung 4 on, 128 at both.
 KEY_TILE = {64: 128, 128: 64}
-KEY_TILE_OF = {f"hopper/{name}.cu": {64: 128, 128: 128}
-               for name in ("h4_overlap", "h5_three_stages", "h6_fused_exp", "h7_rescale_under_s", "h8_persistent",
-                         "h9_balanced", "h10_merged", "h11_staged_store", "sparse_h8")}
+KEY_TILE_OF = {file: {64: 128, 128: 128} for file in sorted(hopper_files_from("overlap") | {HOPPER_SPARSE_FILE})}
 QUERY_TILE = 64
 #: Persistent kernels: at most one block per SM, each walking the output tiles gridDim.x apart; they take the
 #: batch size as one more argument (the grid no longer carries it).
-PERSISTENT_FILES = frozenset({"hopper/h8_persistent.cu", "hopper/h9_balanced.cu", "hopper/h10_merged.cu",
-                              "hopper/h11_staged_store.cu", "hopper/sparse_h8.cu"})
+PERSISTENT_FILES = hopper_files_from("persistent") | {HOPPER_SPARSE_FILE}  # H8 on, and the block-sparse kernel
 #: At most this many persistent blocks (None: one per SM). The host emulation's tests lower it, so that a small
 #: problem still gives each block several tiles.
 PERSISTENT_BLOCKS: int | None = None
