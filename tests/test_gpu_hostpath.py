@@ -116,6 +116,33 @@ def test_attention_builds_its_kernel_once_and_then_only_launches(stand_in):
     assert counts.allocations == before[-1] + 2
 
 
+@pytest.mark.parametrize("pattern", ["window", "blocks"])
+def test_block_sparse_call_builds_its_schedule_once_and_then_only_launches(stand_in, pattern):
+    """A block-sparse call (window= or a block mask) after the first: no file read, no module, no allocation (the
+    order of the output tiles, the layout's lists and the tensor maps are kept), one launch, the same order array."""
+    from flashlab import blocksparse
+
+    cp, counts = stand_in.cp, stand_in.counts
+    q, k, v = (_half(cp, 1, 2, 640, 128) for _ in range(3))
+    out = (_half(cp, 1, 2, 640, 128), hostemu._wrap(np.empty((1, 2, 640), np.float32)))
+    if pattern == "window":
+        call = dict(window=(256, 0))
+    else:
+        call = dict(block_mask=blocksparse.sliding_window(256, 0).block_mask(640, 640, *fgpu.sparse_block(128)))
+    fgpu.attention(q, k, v, out=out, **call)
+    assert counts.reads == [pathlib.Path(fgpu.HOPPER_SPARSE_FILE).name]  # the stand-in device is sm_90
+    before, launched = counts.snapshot(), len(counts.launches)
+    for _ in range(3):
+        o, lse = fgpu.attention(q, k, v, out=out, **call)
+        assert o is out[0] and lse is out[1]
+    assert counts.snapshot() == before
+    calls = counts.launches[launched:]
+    assert [name for name, _ in calls] == [f"attn_{pattern}_f16_d128"] * 3
+    orders = [next(a for a in args if isinstance(a, np.ndarray) and a.dtype == np.int32 and a.size == 10)
+              for _, args in calls]
+    assert all(x is orders[0] for x in orders)  # 5 query blocks x 2 heads, ranked once
+
+
 def test_backward_with_out_and_a_workspace_allocates_nothing_on_later_calls(stand_in):
     cp, counts = stand_in.cp, stand_in.counts
     q, k, v, o, do = (_half(cp, 1, 2, 64, 64) for _ in range(5))
