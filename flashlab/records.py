@@ -164,6 +164,27 @@ def git_dirty() -> bool | None:
     return bool(res.stdout.strip()) if res.returncode == 0 else None
 
 
+# What nvidia-smi says of the GPU's state: the clocks, temperature and power it runs at, and why the clocks are
+# below their maximum (a bit mask; 0: they are not held back). Newer drivers name the last field
+# clocks_event_reasons, older ones clocks_throttle_reasons.
+GPU_STATE_FIELDS = ("clocks.sm", "clocks.mem", "temperature.gpu", "power.draw", "clocks_event_reasons.active")
+
+
+def gpu_state() -> str:
+    """nvidia-smi's reading of GPU_STATE_FIELDS now (one CSV line per GPU), or why there is none. A benchmark takes
+    one before its first timed call and one after its last: two runs of the same kernels that differ by a few per
+    cent may differ in the clocks the GPU held."""
+    for fields in (GPU_STATE_FIELDS, (*GPU_STATE_FIELDS[:-1], "clocks_throttle_reasons.active")):
+        try:
+            res = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"unavailable: {e}"
+        if res.returncode == 0:
+            return f"{', '.join(fields)}: {res.stdout.strip()}"
+    return f"unavailable: {(res.stderr or res.stdout).strip()[:200]}"
+
+
 def gpu_provenance(command: str) -> dict:
     """The GPU, driver, CUDA, library versions, commit and forward kernel hashes a GPU record was made with."""
     import cupy as cp

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import pathlib
 import statistics
+import subprocess
 import sys
 import time
 
@@ -98,6 +99,45 @@ def test_gpu_provenance_names_the_machine_the_versions_and_the_kernels(fake_cupy
     # every Hopper rung and header is named, so a record says which version of them it timed
     assert {r.file for r in fgpu.HOPPER_RUNGS.values()} | {"hopper/wgmma.cuh", "hopper/tma.cuh"} <= set(
         prov["kernel_sha256"])
+
+
+def test_gpu_state_reads_the_clocks_or_says_why_not(monkeypatch):
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd[1])
+        if "clocks_event_reasons.active" in cmd[1]:  # an older driver: the field has its old name
+            return subprocess.CompletedProcess(cmd, 2, "", 'Field "clocks_event_reasons.active" is not a valid field')
+        return subprocess.CompletedProcess(cmd, 0, "1980 MHz, 3201 MHz, 41, 120.50 W, 0x0000000000000000\n", "")
+
+    monkeypatch.setattr(records.subprocess, "run", fake_run)
+    state = records.gpu_state()
+    assert state.startswith("clocks.sm, clocks.mem, temperature.gpu, power.draw, clocks_throttle_reasons.active: ")
+    assert state.endswith("1980 MHz, 3201 MHz, 41, 120.50 W, 0x0000000000000000") and len(calls) == 2
+
+    def missing(cmd, **kw):
+        raise FileNotFoundError(2, "No such file or directory", "nvidia-smi")
+
+    monkeypatch.setattr(records.subprocess, "run", missing)
+    assert records.gpu_state().startswith("unavailable: ") and "nvidia-smi" in records.gpu_state()
+
+
+def test_a_gpu_benchmark_records_the_gpu_state_before_and_after_its_run(fake_cupy, tmp_path, monkeypatch):
+    from flashlab.bench import gpu_main, record_parser
+
+    states = iter(["before", "after"])
+    monkeypatch.setattr(records, "gpu_state", lambda: next(states))
+    seen = []
+
+    def run(args, rows):
+        seen.append("run")
+        rows.append({"impl": "x"})
+
+    p = record_parser("toy", "a toy benchmark", name="toy", out=records.DATA_DIR / "benchmarks", repeat=20, warmup=1)
+    assert gpu_main("toy", ["--repeat", "20", "--out", str(tmp_path)], p, run, lambda rows: "table") == 0
+    rec = json.loads((tmp_path / "toy.json").read_text())
+    assert seen == ["run"] and rec["rows"] == [{"impl": "x"}]
+    assert rec["provenance"]["gpu_state_start"] == "before" and rec["provenance"]["gpu_state_end"] == "after"
 
 
 def test_write_read_and_print_a_record(tmp_path, monkeypatch, capsys):

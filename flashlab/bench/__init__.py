@@ -118,7 +118,9 @@ def gpu_main(kind: str, argv: list[str], p: argparse.ArgumentParser, run: Callab
         prov.update(extra_provenance())
     print(f"# {prov['gpu']}  CuPy {prov['cupy']}  torch {prov.get('torch')}  {prov['date_utc']}")
     rows: list[dict] = []
+    prov["gpu_state_start"] = records.gpu_state()
     run(args, rows)
+    prov["gpu_state_end"] = records.gpu_state()
     print()
     print(format_rows(rows))
     if not args.no_write:
