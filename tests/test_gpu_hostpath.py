@@ -143,6 +143,22 @@ def test_block_sparse_call_builds_its_schedule_once_and_then_only_launches(stand
     assert all(x is orders[0] for x in orders)  # 5 query blocks x 2 heads, ranked once
 
 
+@pytest.mark.parametrize("preallocated", [False, True])
+def test_bench_host_times_the_window_call_when_asked(stand_in, preallocated):
+    """``python -m flashlab bench host --window W``: an op row of its own, a call that launches the window kernel."""
+    from flashlab.bench import host
+
+    counts = stand_in.counts
+    args = host.parser().parse_args(["--n", "256", "--heads", "2", "--m", "512", "--window", "128"])
+    calls = host._calls(fgpu, args, preallocated)
+    assert list(calls) == [*host.OPS, "attention_window"]
+    launched = len(counts.launches)
+    calls["attention_window"]()
+    assert [name for name, _ in counts.launches[launched:]] == ["attn_window_f16_d128"]
+    args = host.parser().parse_args(["--n", "256", "--heads", "2", "--m", "512"])
+    assert list(host._calls(fgpu, args, preallocated)) == list(host.OPS)  # without --window, as recorded
+
+
 def test_backward_with_out_and_a_workspace_allocates_nothing_on_later_calls(stand_in):
     cp, counts = stand_in.cp, stand_in.counts
     q, k, v, o, do = (_half(cp, 1, 2, 64, 64) for _ in range(5))

@@ -5,6 +5,7 @@ For ``flashlab.gpu.attention``, ``attention_backward`` and ``decode``: the wall-
 --warmup; the device is synchronized after each call outside the clock, so every call finds an empty launch queue
 (:func:`flashlab.records.host_times`). Each is timed as a plain call (outputs and scratch allocated by the call,
 default lengths) and, where the launcher takes them, into preallocated outputs with a reused workspace.
+``--window W`` adds ``attention(..., window=(W, 0))``, the block-sparse path, as the op ``attention_window``.
 
 ``--baseline DIR`` times, in the same run and on the same inputs, the launchers of another copy of the package
 (DIR holds its ``flashlab`` folder, e.g. ``git archive COMMIT flashlab | tar -x -C DIR``), so that a change of the
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import pathlib
 import statistics
 import sys
@@ -36,6 +38,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=1024, help="sequence length of attention and its backward")
     p.add_argument("--heads", type=int, default=16, help="heads of attention and its backward")
     p.add_argument("--m", type=int, default=4096, help="cache length of decode (batch 1, 32 heads, one token)")
+    p.add_argument("--window", type=int, default=None, metavar="W",
+                   help="also time attention(..., window=(W, 0)), the block-sparse path (its own op row)")
     return p
 
 
@@ -63,17 +67,25 @@ def _calls(gpu, args: argparse.Namespace, preallocated: bool) -> dict:
     o, lse = gpu.attention(q, k, v)
     qd = rng.standard_normal((1, 32, 1, args.d), dtype=cp.float32).astype(cp.float16)
     kc, vc = (rng.standard_normal((1, 32, args.m, args.d), dtype=cp.float32).astype(cp.float16) for _ in range(2))
+    takes_window = "window" in inspect.signature(gpu.attention).parameters  # a --baseline copy may not
+    window = {"window": (args.window, 0)} if getattr(args, "window", None) is not None and takes_window else {}
     if not preallocated:
-        return {"attention": lambda: gpu.attention(q, k, v),
-                "attention_backward": lambda: gpu.attention_backward(q, k, v, o, lse, do),
-                "decode": lambda: gpu.decode(qd, kc, vc)}
+        calls = {"attention": lambda: gpu.attention(q, k, v),
+                 "attention_backward": lambda: gpu.attention_backward(q, k, v, o, lse, do),
+                 "decode": lambda: gpu.decode(qd, kc, vc)}
+        if window:
+            calls["attention_window"] = lambda: gpu.attention(q, k, v, **window)
+        return calls
     fwd_out = (cp.empty_like(q), cp.empty_like(lse))
     grads = (cp.empty_like(q), cp.empty_like(k), cp.empty_like(v))
     dec_out = (cp.empty_like(qd), cp.empty(qd.shape[:-1], dtype=cp.float32))
     ws_bwd, ws_dec = gpu.Workspace(), gpu.Workspace()
-    return {"attention": lambda: gpu.attention(q, k, v, out=fwd_out),
-            "attention_backward": lambda: gpu.attention_backward(q, k, v, o, lse, do, out=grads, workspace=ws_bwd),
-            "decode": lambda: gpu.decode(qd, kc, vc, out=dec_out, workspace=ws_dec)}
+    calls = {"attention": lambda: gpu.attention(q, k, v, out=fwd_out),
+             "attention_backward": lambda: gpu.attention_backward(q, k, v, o, lse, do, out=grads, workspace=ws_bwd),
+             "decode": lambda: gpu.decode(qd, kc, vc, out=dec_out, workspace=ws_dec)}
+    if window:
+        calls["attention_window"] = lambda: gpu.attention(q, k, v, out=fwd_out, **window)
+    return calls
 
 
 def run(args: argparse.Namespace, rows: list[dict]) -> None:
@@ -95,7 +107,8 @@ def run(args: argparse.Namespace, rows: list[dict]) -> None:
             for op, fn in _calls(gpu, args, style == "preallocated").items():
                 times = records.host_times(fn, args.repeat, args.warmup, sync=sync)
                 q1, med, q3 = statistics.quantiles(times, n=4)
-                rows.append({"pass": "host", "op": op, "version": label, "call": style, "d": args.d,
+                extra = {"window": [args.window, 0]} if op == "attention_window" else {}
+                rows.append({"pass": "host", "op": op, **extra, "version": label, "call": style, "d": args.d,
                              "n": 1 if op == "decode" else args.n, "m": args.m if op == "decode" else args.n,
                              "heads": 32 if op == "decode" else args.heads, "batch": 1, "dtype": "float16",
                              "host_us": round(statistics.median(times), 2), "host_us_q1": round(q1, 2),
