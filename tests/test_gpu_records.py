@@ -425,21 +425,46 @@ def test_host_time_record_measures_every_launcher_before_and_after():
     assert all(f"`{op}`" in table for op in host.OPS)
 
 
+def _times(probe: str) -> dict[tuple, float]:
+    """(impl, dtype, d, n, causal, protocol) -> median ms of a record's timed rows."""
+    return {(r["impl"], r["dtype"], r["d"], r["n"], r["causal"], records.protocol_of(r)): r["median_ms"]
+            for r in records.read_record(probe)["rows"] if "error" not in r}
+
+
+_SHAPE_KEYS = ("dtype", "d", "n", "causal", "protocol")
+
+
+def _speedups(ms: dict[tuple, float], a: str, b: str, **where) -> list[float]:
+    """time(b) / time(a) at every shape of ``ms`` matching ``where`` (above 1 where a is faster)."""
+    shapes = {k[1:] for k in ms}
+    return [ms[(b, *s)] / ms[(a, *s)] for s in shapes
+            if all(s[_SHAPE_KEYS.index(k)] == v for k, v in where.items())]
+
+
+def _span(v: list[float]) -> str:
+    return f"{min(v):.2f}-{max(v):.2f}x"
+
+
+def _gm(v: list[float]) -> str:
+    return f"{statistics.geometric_mean(v):.2f}x"
+
+
+def _chapter_11_cell(cell_id: str) -> str:
+    """A cell of chapter 11, its whitespace collapsed as the statements are searched for."""
+    cells = json.loads((records.ROOT / "notebooks" / "11_hopper.ipynb").read_text())["cells"]
+    return " ".join("".join(next(c for c in cells if c.get("id") == cell_id)["source"]).split())
+
+
 def test_chapter_11_statements_on_rung_h10_hold_in_its_run():
     """Chapter 11, section 13, against data/benchmarks/hopper_merged.json (H10 beside H2, H9 and SDPA, one run)."""
     rows = [r for r in records.read_record(forward.HOPPER_MERGED_PROBE)["rows"] if "error" not in r]
-    ms = {(r["impl"], r["dtype"], r["d"], r["n"], r["causal"], records.protocol_of(r)): r["median_ms"] for r in rows}
-    shapes = {k[1:] for k in ms}
-    keys = ("dtype", "d", "n", "causal", "protocol")
+    ms = _times(forward.HOPPER_MERGED_PROBE)
 
-    def speedups(a, b, **where):  # time(b) / time(a): above 1 where a is faster
-        return [ms[(b, *s)] / ms[(a, *s)] for s in shapes if all(s[keys.index(k)] == v for k, v in where.items())]
+    def speedups(a, b, **where):
+        return _speedups(ms, a, b, **where)
 
-    def span(v):
-        return f"{min(v):.2f}-{max(v):.2f}x"
-
-    cells = json.loads((records.ROOT / "notebooks" / "11_hopper.ipynb").read_text())["cells"]
-    text = " ".join("".join(next(c for c in cells if c.get("id") == "h10-merged-results")["source"]).split())
+    span = _span
+    text = _chapter_11_cell("h10-merged-results")
     over_h9 = speedups("merged", "balanced")
     assert sum(r <= 1.0 for r in over_h9) == 1
     assert (f"at $d = 128$ {span(speedups('merged', 'balanced', d=128, n=16384))} at $n = 16384$ and "
@@ -470,21 +495,13 @@ def test_chapter_11_statements_on_rung_h10_hold_in_its_run():
 def test_chapter_11_statements_on_rung_h11_hold_in_its_run():
     """Chapter 11, section 14, against data/benchmarks/hopper_staged.json (H11 beside H2, H10 and SDPA, one run)."""
     rows = [r for r in records.read_record(forward.HOPPER_STAGED_PROBE)["rows"] if "error" not in r]
-    ms = {(r["impl"], r["dtype"], r["d"], r["n"], r["causal"], records.protocol_of(r)): r["median_ms"] for r in rows}
-    shapes = {k[1:] for k in ms}
-    keys = ("dtype", "d", "n", "causal", "protocol")
+    ms = _times(forward.HOPPER_STAGED_PROBE)
 
-    def speedups(a, b, **where):  # time(b) / time(a): above 1 where a is faster
-        return [ms[(b, *s)] / ms[(a, *s)] for s in shapes if all(s[keys.index(k)] == v for k, v in where.items())]
+    def speedups(a, b, **where):
+        return _speedups(ms, a, b, **where)
 
-    def span(v):
-        return f"{min(v):.2f}-{max(v):.2f}x"
-
-    def gm(v):
-        return f"{statistics.geometric_mean(v):.2f}x"
-
-    cells = json.loads((records.ROOT / "notebooks" / "11_hopper.ipynb").read_text())["cells"]
-    text = " ".join("".join(next(c for c in cells if c.get("id") == "h11-staged-results")["source"]).split())
+    span, gm = _span, _gm
+    text = _chapter_11_cell("h11-staged-results")
     d128, d64 = speedups("staged", "merged", d=128), speedups("staged", "merged", d=64)
     assert (f"by the geometric mean at both head dimensions: {gm(d128)} at $d = 128$ and {gm(d64)} at $d = 64$ "
             f"({span(d128)} and {span(d64)} row by row, slower at {sum(x < 1 for x in d128 + d64)} of "
@@ -511,8 +528,6 @@ def test_chapter_11_statements_on_rung_h11_hold_in_its_run():
     assert vs_h2 < 1 and f"H11 at {vs_h2:.2f}x of H2" in text
     assert forward.fastest_rung(rows, 64, ["tma", "staged"]) == "tma"
     # "H10 reached 0.91x of cuDNN in its own run, 0.93x here"
-    own = [r for r in records.read_record(forward.HOPPER_MERGED_PROBE)["rows"] if "error" not in r]
-    own_ms = {(r["impl"], r["dtype"], r["d"], r["n"], r["causal"], records.protocol_of(r)): r["median_ms"]
-              for r in own}
-    h10_own = [own_ms[("sdpa_cudnn", *s)] / own_ms[("merged", *s)] for s in shapes if s[1] == 128 and s[2] >= 4096]
+    h10_own = [x for n in (4096, 16384) for x in _speedups(_times(forward.HOPPER_MERGED_PROBE), "merged", "sdpa_cudnn",
+                                                            d=128, n=n)]
     assert f"(H10 reached {gm(h10_own)[:-1]}x of cuDNN in its own run, {gm(h10)[:-1]}x here)" in text

@@ -67,24 +67,22 @@ def _calls(gpu, args: argparse.Namespace, preallocated: bool) -> dict:
     o, lse = gpu.attention(q, k, v)
     qd = rng.standard_normal((1, 32, 1, args.d), dtype=cp.float32).astype(cp.float16)
     kc, vc = (rng.standard_normal((1, 32, args.m, args.d), dtype=cp.float32).astype(cp.float16) for _ in range(2))
-    takes_window = "window" in inspect.signature(gpu.attention).parameters  # a --baseline copy may not
-    window = {"window": (args.window, 0)} if getattr(args, "window", None) is not None and takes_window else {}
-    if not preallocated:
+    if preallocated:
+        fwd = {"out": (cp.empty_like(q), cp.empty_like(lse))}
+        grads = (cp.empty_like(q), cp.empty_like(k), cp.empty_like(v))
+        dec_out = (cp.empty_like(qd), cp.empty(qd.shape[:-1], dtype=cp.float32))
+        ws_bwd, ws_dec = gpu.Workspace(), gpu.Workspace()
+        calls = {"attention": lambda: gpu.attention(q, k, v, **fwd),
+                 "attention_backward": lambda: gpu.attention_backward(q, k, v, o, lse, do, out=grads,
+                                                                      workspace=ws_bwd),
+                 "decode": lambda: gpu.decode(qd, kc, vc, out=dec_out, workspace=ws_dec)}
+    else:
+        fwd = {}
         calls = {"attention": lambda: gpu.attention(q, k, v),
                  "attention_backward": lambda: gpu.attention_backward(q, k, v, o, lse, do),
                  "decode": lambda: gpu.decode(qd, kc, vc)}
-        if window:
-            calls["attention_window"] = lambda: gpu.attention(q, k, v, **window)
-        return calls
-    fwd_out = (cp.empty_like(q), cp.empty_like(lse))
-    grads = (cp.empty_like(q), cp.empty_like(k), cp.empty_like(v))
-    dec_out = (cp.empty_like(qd), cp.empty(qd.shape[:-1], dtype=cp.float32))
-    ws_bwd, ws_dec = gpu.Workspace(), gpu.Workspace()
-    calls = {"attention": lambda: gpu.attention(q, k, v, out=fwd_out),
-             "attention_backward": lambda: gpu.attention_backward(q, k, v, o, lse, do, out=grads, workspace=ws_bwd),
-             "decode": lambda: gpu.decode(qd, kc, vc, out=dec_out, workspace=ws_dec)}
-    if window:
-        calls["attention_window"] = lambda: gpu.attention(q, k, v, out=fwd_out, **window)
+    if args.window is not None and "window" in inspect.signature(gpu.attention).parameters:  # a --baseline may lack it
+        calls["attention_window"] = lambda: gpu.attention(q, k, v, window=(args.window, 0), **fwd)
     return calls
 
 

@@ -114,19 +114,27 @@ RUNGS: dict[str, Rung] = {
              "Turing: two mma.sync m16n8k8 per k16 step, ldmatrix, K/V prefetched through registers, 16 KB shared"),
     )
 }
-# Hopper's rungs (kernels/hopper/, chapter 11): warpgroup MMAs, built for sm_90a, so they run on compute
-# capability 9.0 only (H100, H200), never on older or newer GPUs. Named by kernel=; "best" does not take them yet.
-# Shared memory (in units of d, as Rung takes it) of the rungs with a three-stage ring of 128-key tiles (H5-H9):
-# Q, three stages of K and V, the 1024-byte alignment of the swizzle and 128 bytes of barriers.
-_THREE_STAGE_SHARED = (-(-((128 + 6 * 128) * 64 * 2 + 1024 + 128) // 64),
-                       -(-((128 + 6 * 128) * 128 * 2 + 1024 + 128) // 128))
+
+
+def _tma_rung_shared(rows) -> tuple[int, ...]:
+    """Shared memory (in units of d, as Rung takes it) of a TMA rung holding ``rows(d)`` rows of d 16-bit elements
+    (Q's buffers, the K/V ring, O's staging tiles), the 1024-byte alignment of the swizzle and 128 bytes of
+    barriers."""
+    return tuple(-(-(rows(d) * d * 2 + 1024 + 128) // d) for d in HEAD_DIMS)
+
+
+# The rungs with a three-stage ring of 128-key tiles (H5-H9): Q and three stages of K and V.
+_THREE_STAGE_SHARED = _tma_rung_shared(lambda d: 128 + 6 * 128)
 # Rung 10 (and the block-sparse kernel built on the same loop): two buffers of Q and a ring of K and V of
-# MERGED_STAGES[d] stages (three would not fit beside the second Q at d = 128), alignment and 128 bytes of barriers.
+# MERGED_STAGES[d] stages (three would not fit beside the second Q at d = 128).
 MERGED_STAGES = {64: 3, 128: 2}
-_MERGED_SHARED = tuple(-(-((2 * 128 + 2 * MERGED_STAGES[d] * 128) * d * 2 + 1024 + 128) // d) for d in HEAD_DIMS)
+_MERGED_SHARED = _tma_rung_shared(lambda d: 2 * 128 + 2 * MERGED_STAGES[d] * 128)
 # Rung 11 (and the block-sparse kernel): rung 10's, and O's staging tiles, 16 rows of d for each of the 8
 # consumer warps.
-_STAGED_SHARED = tuple(-(-((2 * 128 + 2 * MERGED_STAGES[d] * 128 + 128) * d * 2 + 1024 + 128) // d) for d in HEAD_DIMS)
+_STAGED_SHARED = _tma_rung_shared(lambda d: 2 * 128 + 2 * MERGED_STAGES[d] * 128 + 8 * 16)
+# Hopper's rungs (kernels/hopper/, chapter 11): warpgroup MMAs, built for sm_90a, so they run on compute
+# capability 9.0 only (H100, H200), never on older or newer GPUs. Named by kernel=; "best" takes them on sm_90
+# (HOPPER_BEST).
 HOPPER_RUNGS = {
     "wgmma": Rung("wgmma", "hopper/h1_wgmma.cu", 64, 128, ("f16", "bf16"), 90,
                   (((64 + 4 * 128) * 64 * 2 + 1024) // 64, ((64 + 4 * 64) * 128 * 2 + 1024) // 128),
