@@ -669,7 +669,9 @@ def test_chapter8_on_a_t4_runs_the_scalar_backward_and_decoding_and_names_the_li
     assert re.search(r"^smem +causal=False", printed, re.M) and re.search(r"^keys S = 16:", printed, re.M)
     files = {f for f, _ in launches}
     assert gbwd.KERNEL_FILE in files and not {gbwd.MMA_FILE, gbwd.PIPE_FILE} & files
-    assert set(decoding.KERNEL_FILES) <= files
+    assert {decoding.KERNEL_FILE, decoding.KEYS_FILE} <= files and decoding.MMA_FILE not in files
+    why = fgpu.cannot_run("decode", T4, d=128, kernel="mma")  # the tensor-core decoding kernel: named, not run
+    assert "needs sm_80 or newer" in why and f"'mma' not run live: {why}." in printed
     assert "recorded on" in printed  # the recorded H200 runs are shown beside the live ones
 
 
@@ -679,7 +681,7 @@ def test_chapter8_on_a_gpu_older_than_turing_names_the_limit_and_shows_the_recor
     printed = run_cells(CH8, ["dc4264cb", "e0ea58a7", "4e41598a", "7844046e", "13daa64d"], ns)
     reasons = re.findall(r"^Not run live: (.*)\.$", printed, re.M)
     assert reasons == [fgpu.cannot_run("forward", VOLTA, d=128), fgpu.cannot_run("forward", VOLTA, d=64),
-                       fgpu.cannot_run("decode", VOLTA, kernel="keys")]
+                       fgpu.cannot_run("decode", VOLTA, d=128)]
     assert all("sm_70 (compute capability)" in r for r in reasons)
     assert not launches and "recorded on" in printed
 

@@ -157,6 +157,15 @@ def test_decode_runs_keys_from_sm75_and_names_the_limit_below(lim):
     if lim.cc >= 75:
         assert decoding._decode_plan(128, "best", lim).kernel == decoding.KERNELS[0]
         assert decoding._decode_plan(128, "rows", lim).file == decoding.KERNEL_FILE
+        # a GQA group of 4 rows or more: the tensor-core kernel from sm_80, "keys" below with the reason named
+        gqa = decoding._decode_plan(128, "best", lim, decoding.MMA_MIN_ROWS)
+        if lim.cc >= 80:
+            assert gqa.kernel == "mma" and gqa.threads == decoding.MMA_THREADS
+            assert decoding._decode_plan(128, "best", lim, decoding.MMA_MIN_ROWS - 1).kernel == "keys"
+        else:
+            assert gqa.kernel == "keys" and "needs sm_80 or newer" in gqa.reason
+            with pytest.raises(ValueError, match=r"decode kernel 'mma' needs sm_80 or newer"):
+                decoding._decode_plan(128, "mma", lim)
     else:
         with pytest.raises(ValueError, match=r"'keys' needs sm_75 or newer; this GPU is sm_70"):
             decoding._decode_plan(128, "best", lim)

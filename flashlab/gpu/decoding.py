@@ -13,9 +13,12 @@ rule on (m, l, u) states). ``decode_numpy`` runs the whole scheme on the CPU wit
 split, so the split arithmetic is tested without a GPU.
 
 Kernels: ``kernels/decode_r1_split.cu`` (``kernel="rows"``: the first version, warps share out the query rows of
-a 32-key tile in shared memory; and the merge kernel) and ``kernels/decode_r2_warp_keys.cu`` (``kernel="keys"``,
-the default: warps share out the keys and stream them from global memory with many 16-byte loads in flight, the
-query rows in registers). Inputs fp16, or bf16 bit patterns in uint16 with ``bf16=True`` (see ``flashlab.gpu``).
+a 32-key tile in shared memory; and the merge kernel), ``kernels/decode_r2_warp_keys.cu`` (``kernel="keys"``: warps
+share out the keys and stream them from global memory with many 16-byte loads in flight, the query rows in
+registers) and ``kernels/decode_r3_mma.cu`` (``kernel="mma"``: a group's query rows are the 16 rows of a tensor-core
+mma, a warp per block streaming its keys through a cp.async ring). "best" takes "mma" for groups of MMA_MIN_ROWS
+rows or more (GQA) from sm_80 on, "keys" otherwise. Inputs fp16, or bf16 bit patterns in uint16 with ``bf16=True``
+(see ``flashlab.gpu``).
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ from . import (
 
 KERNEL_FILE = "decode_r1_split.cu"  # the "rows" split kernel and the merge kernel both versions use
 KEYS_FILE = "decode_r2_warp_keys.cu"
-KERNEL_FILES = (KERNEL_FILE, KEYS_FILE)
-KERNELS = ("keys", "rows")  # the first is the default
+MMA_FILE = "decode_r3_mma.cu"
+KERNEL_FILES = (KERNEL_FILE, KEYS_FILE, MMA_FILE)
+KERNELS = ("keys", "rows", "mma")  # the first is the default where a group has fewer than MMA_MIN_ROWS rows
 BLOCK_KEYS = 32  # keys per tile of the "rows" kernel (BC in the .cu); split lengths are multiples of it for both
 BLOCK_ROWS = 32  # query rows (heads of a group x query tokens) per block of the "rows" kernel (ROWS in the .cu)
 KEYS_ROWS = (1, 2, 4, 8)  # row counts the "keys" kernel is compiled for (R in the .cu): the smallest that fits
@@ -60,30 +64,52 @@ MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs (launch share, merg
 # chapter 8 assume.
 BLOCKS_PER_SM = {"rows": 4}
 KEYS_BLOCKS_PER_SM = {1: 5, 2: 4, 4: 4, 8: 2}  # the "keys" kernel, by query rows per block (R)
-FILES = {"keys": KEYS_FILE, "rows": KERNEL_FILE}
-THREADS = 128  # threads per block of both split kernels
+FILES = {"keys": KEYS_FILE, "rows": KERNEL_FILE, "mma": MMA_FILE}
+THREADS = 128  # threads per block of the "keys" and "rows" split kernels
 MIN_CC = 75  # plain CUDA (bf16 stored by hand below sm_80); static shared memory only (< 48 KB)
+MMA_ROWS = 16  # query rows per block of the "mma" kernel: the rows of one mma.sync m16n8k16
+MMA_THREADS = 32  # one warp per block
+MMA_MIN_CC = 80  # mma.sync m16n8k16 with bf16 inputs, cp.async
+MMA_MIN_ROWS = 4  # "best" takes "mma" for a group of this many rows (heads per K/V head x query tokens) or more
+MMA_BLOCKS_PER_SM = 4  # its 48 KB ring of static shared memory per block at d = 128, as on sm_90
+FILE_MIN_CC = {KERNEL_FILE: MIN_CC, KEYS_FILE: MIN_CC, MMA_FILE: MMA_MIN_CC}  # the oldest GPU each file builds for
 
 
 @functools.lru_cache(maxsize=64)
-def _decode_plan(d: int, kernel: str, lim: DeviceLimits) -> Plan:
+def _decode_plan(d: int, kernel: str, lim: DeviceLimits, rows: int = 1) -> Plan:
+    """The split kernel for head dimension d and ``rows`` query rows per K/V head (group size x query tokens)."""
     if kernel != "best" and kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))} or 'best'; got {kernel!r}")
 
-    def problem(*_) -> str | None:
+    def problem(name: str, _file, best: bool) -> str | None:
+        if name == "mma":
+            why = launch_problem("", min_cc=MMA_MIN_CC, shared_bytes=0, threads=MMA_THREADS, lim=lim)
+            if why is None and best and rows < MMA_MIN_ROWS:
+                why = (f"a group of {rows} query row{'s' * (rows != 1)} would leave most of its mma's 16 rows "
+                       f"empty (taken from {MMA_MIN_ROWS} rows on)")
+            return why
         return launch_problem("", min_cc=MIN_CC, shared_bytes=0, threads=THREADS, lim=lim)
 
-    name, file, passed = choose("decode", FILES, problem, kernel, lim)
-    return Plan("decode", name, file, 0, THREADS, lim, passed, file)
+    order = {"mma": MMA_FILE, "keys": KEYS_FILE, "rows": KERNEL_FILE}  # fastest first, as measured on the H200
+    name, file, passed = choose("decode", order, problem, kernel, lim)
+    return Plan("decode", name, file, 0, MMA_THREADS if name == "mma" else THREADS, lim, passed, file)
 
 
 def plan_decode(q, k_cache, v_cache, *, kernel: str = "best", bf16: bool = False) -> Plan:
-    """The split kernel ``decode`` launches on this GPU, and why (see ``flashlab.gpu.plan``): "keys" on every
-    GPU from sm_75 up; older ones get a ValueError naming the compute capability."""
+    """The split kernel ``decode`` launches on this GPU for these shapes, and why (see ``flashlab.gpu.plan``):
+    "mma" for groups of MMA_MIN_ROWS query rows or more from sm_80 up, else "keys" on every GPU from sm_75 up;
+    older ones get a ValueError naming the compute capability."""
     dt = _check_inputs(q, k_cache, v_cache, bf16)
     if dt == "f32":
         raise TypeError("decode takes float16 or (with bf16=True) bfloat16 bits in uint16; got float32")
-    return _decode_plan(q.shape[-1], kernel, device_limits())
+    return _decode_plan(q.shape[-1], kernel, device_limits(), _group_rows(q, k_cache))
+
+
+def _group_rows(q, k_cache) -> int:
+    """Query rows per K/V head: heads per K/V head times query tokens (1 for 2-D inputs)."""
+    if q.ndim != 4 or k_cache.ndim != 4 or k_cache.shape[1] == 0:
+        return q.shape[0] if q.ndim == 2 else 1
+    return q.shape[1] // k_cache.shape[1] * q.shape[2]
 
 
 # ----------------------------------------------------------------------------------------------- CPU: the math
@@ -168,9 +194,12 @@ def default_num_splits(batch: int, kv_heads: int, row_chunks: int, m: int, sm_co
 
 
 def block_rows(kernel: str, rows: int) -> int:
-    """Query rows per block: 32 for "rows"; for "keys" the smallest of KEYS_ROWS that holds ``rows`` (else 8)."""
+    """Query rows per block: 32 for "rows", 16 for "mma"; for "keys" the smallest of KEYS_ROWS that holds ``rows``
+    (else 8)."""
     if kernel == "rows":
         return BLOCK_ROWS
+    if kernel == "mma":
+        return MMA_ROWS
     return next((r for r in KEYS_ROWS if r >= rows), KEYS_ROWS[-1])
 
 
@@ -193,8 +222,8 @@ def resolve_num_splits(batch: int, heads: int, kv_heads: int, n: int, m: int, nu
 _RESIDENT: dict[int, int] = {}
 
 
-def resident_blocks(kern, built_for: int) -> int:
-    """Blocks of a compiled split kernel (THREADS threads, static shared memory only) that one SM of this GPU holds
+def resident_blocks(kern, built_for: int, threads: int = THREADS) -> int:
+    """Blocks of a compiled split kernel (``threads`` threads, static shared memory only) that one SM of this GPU holds
     at once, as the driver's occupancy calculator says (its registers and shared memory as built here).
     ``built_for``: the number the kernel is built for, returned for a kernel with no driver handle (the CPU host
     emulation of tools/hostemu launches Python functions)."""
@@ -202,7 +231,7 @@ def resident_blocks(kern, built_for: int) -> int:
     if got is None:
         ptr = getattr(getattr(kern, "kernel", None), "ptr", None)
         got = _RESIDENT[id(kern)] = built_for if ptr is None else max(
-            1, int(_cupy().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(ptr, THREADS, 0)))
+            1, int(_cupy().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(ptr, threads, 0)))
     return got
 
 
@@ -213,12 +242,15 @@ def default_splits_here(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], d: 
     B, H, n, _ = q_shape
     Hk, m = kv_shape[1], kv_shape[2]
     rows = block_rows(kernel, H // Hk * n)
-    resident = resident_blocks(_kernels(dt, d, kernel, rows)[0], built_blocks_per_sm(kernel, rows))
+    resident = resident_blocks(_kernels(dt, d, kernel, rows)[0], built_blocks_per_sm(kernel, rows),
+                               MMA_THREADS if kernel == "mma" else THREADS)
     return resolve_num_splits(B, H, Hk, n, m, None, sm_count(), kernel, resident)
 
 
 def built_blocks_per_sm(kernel: str, rows: int) -> int:
     """Blocks per SM a split kernel of ``rows`` query rows per block is built for (as on sm_90)."""
+    if kernel == "mma":
+        return MMA_BLOCKS_PER_SM
     return KEYS_BLOCKS_PER_SM[rows] if kernel == "keys" else BLOCKS_PER_SM[kernel]
 
 
@@ -227,6 +259,8 @@ def _kernels(dt: str, d: int, kernel: str, rows: int):
     merge = kernel_function(KERNEL_FILE, f"decode_merge_{dt}_d{d}")
     if kernel == "rows":
         return kernel_function(KERNEL_FILE, f"decode_split_{dt}_d{d}"), merge
+    if kernel == "mma":
+        return kernel_function(MMA_FILE, f"decode_mma_{dt}_d{d}"), merge
     return kernel_function(KEYS_FILE, f"decode_keys_{dt}_d{d}_r{rows}"), merge
 
 
@@ -263,8 +297,8 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     picks enough splits to fill the GPU with one wave of blocks (``default_num_splits``, with the kernel's
     occupancy on this GPU: ``resident_blocks``); 1 is the unsplit kernel (one block per (batch,
     K/V head, chunk of query rows)), followed by the same merge kernel, which then copies. ``kernel`` picks the
-    split kernel: "keys", "rows" (the first version; see the module's docstring) or "best" (the default: "keys"
-    where the GPU runs it, ``plan_decode``).
+    split kernel: "keys", "rows" (the first version), "mma" (see the module's docstring) or "best" (the default:
+    "mma" for groups of MMA_MIN_ROWS rows or more, else "keys", where the GPU runs them; ``plan_decode``).
 
     o has q's shape and dtype; lse (q's shape without d, float32, natural log) is -inf for a row that sees no
     key (its o is 0). ``return_partials=True`` also returns the fp32 partials (o_parts (B, H, n, S, d),
@@ -281,7 +315,6 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     dt = _check_inputs(q, k_cache, v_cache, bf16)
     _check_half_launch("decode", dt, {"q": q, "k_cache": k_cache, "v_cache": v_cache})
     d = q.shape[-1]
-    kernel = _decode_plan(d, kernel, device_limits()).kernel
     scale = check_scale(scale, d)
     q4 = q if q.ndim == 4 else q.reshape(1, 1, *q.shape)
     k4 = k_cache if k_cache.ndim == 4 else k_cache.reshape(1, 1, *k_cache.shape)
@@ -289,11 +322,12 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     B, H, n, _ = q4.shape
     Hk, m = k4.shape[1], k4.shape[2]
     G = H // Hk
+    kernel = _decode_plan(d, kernel, device_limits(), G * n).kernel
     rows = block_rows(kernel, G * n)
     chunks = math.ceil(G * n / rows)
     if kernel == "rows" and Hk * chunks > 65535:
         raise ValueError(f"heads_kv x ceil(group x n / {rows}) must be at most 65535; got {Hk * chunks}")
-    if kernel == "keys" and B * Hk > 65535:
+    if kernel != "rows" and B * Hk > 65535:
         raise ValueError(f"batch x heads_kv must be at most 65535; got {B * Hk}")
     split, merge = _kernels(dt, d, kernel, rows)
     if num_splits is None:
@@ -319,7 +353,7 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
         _check_out("out[0]", o, q.shape, q.dtype)
         _check_out("out[1]", lse, q.shape[:-1], cp.float32)
     grid = (num_splits, Hk * chunks, B) if kernel == "rows" else (chunks, num_splits, B * Hk)
-    split(grid, (128,),
+    split(grid, (MMA_THREADS if kernel == "mma" else THREADS,),
           (q4, k4, v4, lens, o_parts, lse_parts, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk),
            np.int32(split_length(m, num_splits)), np.float32(scale), np.int32(bool(causal))))
     merge((B * H * n,), (d,), (o_parts, lse_parts, o, lse, np.int32(num_splits)))

@@ -1,0 +1,266 @@
+// Split-KV decoding, third version: the query rows of a GQA group as the rows of a tensor-core mma.
+//
+// What limits decode_r2_warp_keys.cu when a group has four or more rows (GQA 32/8 heads at n = 1: R = 4): every
+// key costs each row 8 FMAs of Q K and 8 of P V per lane, four xor-shuffles to add a dot product up over the 16 lanes
+// that hold the key, conversions of K and V to fp32, and the exponentials. Measured with Nsight Compute on an H200
+// (4 rows, 8 K/V heads, 131072 keys): 89 warp instructions per key, the schedulers issuing on 70 % of cycles and
+// DRAM at 78 % of its peak -- the loop is bound by instruction issue, not by memory.
+//
+// Here a warp scores 32 keys at once with mma.sync m16n8k16, as the forward kernels of chapter 7 do: the (up to) 16
+// query rows of a group are the 16 rows of the A operand (rows past the group are zeros, and the tensor cores do
+// that wasted work for free: the kernel is bound by memory, not by the tensor pipe), K's rows are the 8-key column
+// blocks of the B operand (ldmatrix), and P V takes P from S's accumulators in registers as in rung 3 and V by a
+// transposing ldmatrix. A 32-key tile is 64 mma, 32 ldmatrix and 32 exponentials a lane: about 6 warp instructions
+// per key instead of 89.
+//
+// One warp is one block, and it streams its split through a ring of STAGES tiles in shared memory with cp.async
+// (rung 5): STAGES - 1 tiles of K and V in flight while it computes on one, with no barrier but __syncwarp. At
+// d = 128 the ring is 48 KB of static shared memory, so an SM holds 4 such blocks and 4 x 2 x 16 KB of loads are in
+// flight on it. The split's partial (o_s, lse_s) is written exactly as decode_r1_split.cu writes it, and its merge
+// kernel (decode_merge_*) finishes the job.
+//
+// Grid: (ceil(G * n / 16), num_splits, B * Hk) with G = H / Hk; block: 32 threads. Layout and arguments as
+// decode_split_* in decode_r1_split.cu. Needs sm_80 (mma.sync m16n8k16 with bf16 inputs, cp.async).
+
+#define NEG_INF (-__int_as_float(0x7f800000))
+#define BK 32  // keys per tile (flashlab.gpu.decoding.BLOCK_KEYS: split lengths are whole tiles)
+#define ROWS 16  // query rows per block: the rows of one mma
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+// Tiles of the ring: 3 x 16 KB at d = 128 is the 48 KB a block may have without asking for more.
+#define STAGES 3
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+struct F16 {
+    static __device__ __forceinline__ u32 pack(float lo, float hi) {
+        u32 r;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+    static __device__ __forceinline__ void mma(float* c, const u32* a, u32 b0, u32 b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+struct BF16 {
+    static __device__ __forceinline__ u32 pack(float lo, float hi) {
+        u32 r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+    static __device__ __forceinline__ void mma(float* c, const u32* a, u32 b0, u32 b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void ldsm_x4(u32* r, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32* r, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+// Offset (in elements) of 16-byte chunk c of row r in a swizzled [rows][D] tile: the 8 rows an ldmatrix reads
+// fall in 8 different bank groups.
+template <int D>
+__device__ __forceinline__ int swz(int r, int c) {
+    return r * D + ((c ^ (r & 7)) << 3);
+}
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+template <class Ty, int D>
+__device__ void decode_mma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                           const int* __restrict__ lens, float* __restrict__ opart, float* __restrict__ lpart, int n,
+                           int m, int H, int Hk, int split_len, float scale, int causal) {
+    __shared__ __align__(128) u16 ks[STAGES][BK * D];
+    __shared__ __align__(128) u16 vs[STAGES][BK * D];
+
+    const int lane = threadIdx.x, g = lane >> 2, tg = lane & 3;
+    const int G = H / Hk, rows_total = G * n;
+    const int r0 = blockIdx.x * ROWS, split = blockIdx.y, nsplit = gridDim.y;
+    const int b = blockIdx.z / Hk, hk = blockIdx.z % Hk;
+    const int nrows = min(ROWS, rows_total - r0);
+    const int len = lens ? lens[b] : m;  // the launcher checked 0 <= lens[b] <= m
+    const int kbeg = split * split_len, kend = min(len, kbeg + split_len);
+    const int ntiles = kend > kbeg ? (kend - kbeg + BK - 1) / BK : 0;
+    // The rows of a group are consecutive in q: heads hk * G .. hk * G + G - 1, n tokens each.
+    const size_t row_base = ((size_t)b * H + (size_t)hk * G) * n + r0;
+    const u16* kb = k + ((size_t)b * Hk + hk) * m * D;
+    const u16* vb = v + ((size_t)b * Hk + hk) * m * D;
+    const float scale2 = scale * LOG2E;
+
+    // Tile t of the split into stage t % STAGES; keys past the split's end are zeros (and masked below).
+    auto load = [&](int t) {
+        const int k0 = kbeg + t * BK, st = t % STAGES;
+#pragma unroll
+        for (int e = lane; e < BK * D / 8; e += 32) {
+            const int r = e / (D / 8), c = e % (D / 8);
+            const bool valid = k0 + r < kend;
+            const size_t off = (size_t)(valid ? k0 + r : 0) * D + c * 8;
+            cp_async16(smem_addr(&ks[st][swz<D>(r, c)]), kb + off, valid);
+            cp_async16(smem_addr(&vs[st][swz<D>(r, c)]), vb + off, valid);
+        }
+    };
+#pragma unroll
+    for (int t = 0; t < STAGES - 1; ++t) {  // one commit group per tile, empty past the last, so waits count tiles
+        if (t < ntiles) load(t);
+        cp_async_commit();
+    }
+
+    // Q in the A fragment layout, straight from global memory: register j of k-step kk holds row g (j even) or
+    // g + 8 (j odd), columns 16 kk + 2 tg (j < 2) or 16 kk + 8 + 2 tg (j >= 2) and the next. Rows past the group's
+    // are zeros.
+    u32 qf[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int row = g + 8 * (j & 1), col = 16 * kk + 8 * (j >> 1) + 2 * tg;
+            qf[kk][j] = row < nrows ? *(const u32*)(q + (row_base + row) * D + col) : 0u;
+        }
+    // The last key each of this thread's two rows may see (row r is token r % n of its head).
+    const int last0 = causal ? (r0 + g) % n + len - n : kend - 1;
+    const int last1 = causal ? (r0 + g + 8) % n + len - n : kend - 1;
+
+    float oacc[D / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) oacc[nt][0] = oacc[nt][1] = oacc[nt][2] = oacc[nt][3] = 0.f;
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;  // log2 units; l: this thread's columns only
+
+    for (int t = 0; t < ntiles; ++t) {
+        cp_async_wait<STAGES - 2>();  // tile t has landed (this lane's copies)
+        __syncwarp();                 // ... every lane's; and every lane is done with the stage refilled next
+        if (t + STAGES - 1 < ntiles) load(t + STAGES - 1);
+        cp_async_commit();
+        const u16* kt = ks[t % STAGES];
+        const u16* vt = vs[t % STAGES];
+        const int k0 = kbeg + t * BK;
+
+        // S = Q K^T for 32 keys: one ldmatrix.x4 gives the B fragments of 8 keys for two 16-wide steps along d.
+        float s[BK / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < BK / 8; ++nt) {
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; kk += 2) {
+                u32 bf[4];
+                ldsm_x4(bf, smem_addr(kt + swz<D>(nt * 8 + (lane & 7), kk * 2 + (lane >> 3))));
+                Ty::mma(s[nt], qf[kk], bf[0], bf[1]);
+                Ty::mma(s[nt], qf[kk + 1], bf[2], bf[3]);
+            }
+        }
+        // Scale into log2 units, mask (past the split or the cache, causal), online softmax of the two rows.
+        float t0 = NEG_INF, t1 = NEG_INF;
+#pragma unroll
+        for (int nt = 0; nt < BK / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = k0 + nt * 8 + 2 * tg + (e & 1);
+                s[nt][e] = key < kend && key <= (e < 2 ? last0 : last1) ? s[nt][e] * scale2 : NEG_INF;
+            }
+            t0 = fmaxf(t0, fmaxf(s[nt][0], s[nt][1]));
+            t1 = fmaxf(t1, fmaxf(s[nt][2], s[nt][3]));
+        }
+        const float mn0 = fmaxf(m0, quad_max(t0)), mn1 = fmaxf(m1, quad_max(t1));
+        const float ms0 = mn0 == NEG_INF ? 0.f : mn0, ms1 = mn1 == NEG_INF ? 0.f : mn1;  // no (-inf) - (-inf)
+        const float c0 = exp2f(m0 - ms0), c1 = exp2f(m1 - ms1);
+        float u0 = 0.f, u1 = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < BK / 8; ++nt) {
+            s[nt][0] = exp2f(s[nt][0] - ms0);
+            s[nt][1] = exp2f(s[nt][1] - ms0);
+            s[nt][2] = exp2f(s[nt][2] - ms1);
+            s[nt][3] = exp2f(s[nt][3] - ms1);
+            u0 += s[nt][0] + s[nt][1];
+            u1 += s[nt][2] + s[nt][3];
+        }
+        l0 = l0 * c0 + u0;
+        l1 = l1 * c1 + u1;
+        m0 = mn0;
+        m1 = mn1;
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt) {
+            oacc[nt][0] *= c0;
+            oacc[nt][1] *= c0;
+            oacc[nt][2] *= c1;
+            oacc[nt][3] *= c1;
+        }
+        // O += P V: P's A fragment for keys 16 kk .. 16 kk + 15 is S's column blocks 2 kk and 2 kk + 1.
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            u32 pa[4];
+            pa[0] = Ty::pack(s[2 * kk][0], s[2 * kk][1]);
+            pa[1] = Ty::pack(s[2 * kk][2], s[2 * kk][3]);
+            pa[2] = Ty::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[3] = Ty::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int nt = 0; nt < D / 8; nt += 2) {
+                u32 bf[4];
+                ldsm_x4_t(bf, smem_addr(vt + swz<D>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, nt + (lane >> 4))));
+                Ty::mma(oacc[nt], pa, bf[0], bf[1]);
+                Ty::mma(oacc[nt + 1], pa, bf[2], bf[3]);
+            }
+        }
+    }
+    cp_async_wait<0>();  // no copy outlives the block (the empty groups past the last tile)
+
+    // The split's partial: O / l and lse in natural log (-inf and zeros for a row that saw no key).
+    l0 = quad_sum(l0);
+    l1 = quad_sum(l1);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = g + 8 * h;
+        if (row >= nrows) continue;
+        const float l = h ? l1 : l0, mx = h ? m1 : m0, inv = l > 0.f ? 1.f / l : 0.f;
+        const size_t at = (row_base + row) * nsplit + split;
+        float* op = opart + at * D;
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt)
+            *(float2*)(op + nt * 8 + 2 * tg) = make_float2(oacc[nt][2 * h] * inv, oacc[nt][2 * h + 1] * inv);
+        if (tg == 0) lpart[at] = l > 0.f ? (mx + log2f(l)) * LN2 : NEG_INF;
+    }
+}
+
+#define DEFINE_KERNEL(DT, TY, D)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(32) decode_mma_##DT##_d##D(                                       \
+        const u16* q, const u16* k, const u16* v, const int* lens, float* opart, float* lpart, int n, int m, int H, \
+        int Hk, int split_len, float scale, int causal) {                                                          \
+        decode_mma<TY, D>(q, k, v, lens, opart, lpart, n, m, H, Hk, split_len, scale, causal);                     \
+    }
+
+DEFINE_KERNEL(f16, F16, 64)
+DEFINE_KERNEL(f16, F16, 128)
+DEFINE_KERNEL(bf16, BF16, 64)
+DEFINE_KERNEL(bf16, BF16, 128)
