@@ -18,7 +18,7 @@ import sys
 import numpy as np
 
 from .. import blocksparse, reference
-from . import backward
+from . import backward, decoding
 
 PARTS = ("all", "forward", "backward-decode", "sparse")
 
@@ -138,7 +138,13 @@ def backward_and_decode(quick: bool = False) -> int:
                 # lengths=None: the kernels read every key through a null lengths pointer (the default call)
                 for tok, splits, kernel, length in ((3, 1, "rows", m - 5), (3, 3, "rows", m - 5), (3, 1, "keys", m - 5),
                                                     (3, 3, "keys", m - 5), (3, 3, "rows", None), (3, 3, "keys", None),
-                                                    (2, 3, "keys", m - 5), (2, None, "keys", None)):
+                                                    (2, 3, "keys", m - 5), (2, None, "keys", None),
+                                                    (3, 1, "mma", m - 5), (3, 3, "mma", None), (2, None, "mma", None)):
+                    try:
+                        decoding._decode_plan(d, kernel, fgpu.device_limits())
+                    except ValueError as e:
+                        print(f"decode   {kernel:<4} {dt:<4} d={d:<4} skipped: {e}", flush=True)
+                        continue
                     qd = dev[0][:, :, :tok].copy()
                     od, ld = fgpu.decode(qd, dev[1], dev[2], num_splits=splits, causal=causal, bf16=bf,
                                          kernel=kernel, lengths=None if length is None else [length])
