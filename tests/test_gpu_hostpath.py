@@ -199,6 +199,30 @@ def test_decode_default_lengths_pass_a_null_pointer_and_reuse_the_workspace(stan
     assert isinstance(counts.launches[-2][1][3], np.ndarray) and ws.nbytes == held
 
 
+def test_decode_plans_a_signature_once_and_still_checks_each_call(stand_in, monkeypatch):
+    """A repeated decoding step neither plans nor asks for the split count again (its launches are kept by
+    signature), yet every call still refuses a non-contiguous array; a GQA group of 4 rows takes the "mma"
+    kernel (on the stand-in's sm_90)."""
+    from flashlab.gpu import decoding
+
+    cp, counts = stand_in.cp, stand_in.counts
+    q = _half(cp, 1, 32, 1, 128)
+    kc, vc = _half(cp, 1, 8, 1000, 128), _half(cp, 1, 8, 1000, 128)
+    planned = []
+    real_plan = decoding._plan_step
+    monkeypatch.setattr(decoding, "_plan_step", lambda *a: planned.append(a) or real_plan(*a))
+    for _ in range(3):
+        fgpu.decode(q, kc, vc)
+    assert len(planned) == 1
+    assert [name for name, _ in counts.launches] == ["decode_mma_f16_d128", "decode_merge_f16_d128"] * 3
+    strided = hostemu._wrap(np.asarray(kc)[:, :, ::2].copy())
+    with pytest.raises(ValueError, match="C-contiguous"):
+        fgpu.decode(q, kc, hostemu._wrap(np.asfortranarray(np.asarray(vc))))
+    fgpu.decode(q, strided, strided)  # another signature: planned afresh
+    assert len(planned) == 2
+
+
+
 def test_kernels_are_cached_per_device(stand_in, monkeypatch):
     cp, counts = stand_in.cp, stand_in.counts
     q, k, v = (_half(cp, 1, 1, 16, 64) for _ in range(3))

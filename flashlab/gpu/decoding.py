@@ -23,8 +23,10 @@ rows or more (GQA) from sm_80 on, "keys" otherwise. Inputs fp16, or bf16 bit pat
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,6 +44,7 @@ from . import (
     _check_inputs,
     _check_out,
     _cupy,
+    _device_id,
     choose,
     device_limits,
     kernel_function,
@@ -284,6 +287,65 @@ def _lengths_array(lengths, B: int, m: int):
     return cp.asarray(host.astype(np.int32))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """A decoding step's two launches for one signature (shapes, dtypes, kernel and split count asked for, device),
+    worked out once by ``_plan_step``; a later call with that signature checks its arrays' layout and launches."""
+
+    split: Any  # the split kernel, compiled and loaded
+    merge: Any
+    grid: tuple[int, int, int]
+    threads: int
+    dims: tuple  # n, m, H, Hk and the split length as np.int32: the split kernel's arguments after the arrays
+    num_splits: Any  # np.int32, the merge kernel's last argument
+    parts: tuple[tuple[int, ...], tuple[int, ...]]  # shapes of the partials o_parts and lse_parts
+    merge_grid: tuple[int]
+    d: int
+    batch: int
+    m: int
+    scale: Any  # the default scale 1 / sqrt(d), as np.float32
+
+
+_CAUSAL = (np.int32(0), np.int32(1))
+
+
+def _configured() -> dict:
+    """The package's dictionary of compiled and configured kernels (``flashlab.gpu._FUNCTIONS``), read at call time:
+    a decoding step's launches are kept beside its kernels, and go with them when the dictionary is replaced (as
+    tests do to plan for another GPU)."""
+    return sys.modules[__package__]._FUNCTIONS
+
+
+def _plan_step(q, k_cache, v_cache, bf16: bool, kernel: str, num_splits: int | None) -> _Step:
+    """Every check of ``decode``'s inputs, its kernel plan, the compiled kernels, grid and split count."""
+    dt = _check_inputs(q, k_cache, v_cache, bf16)
+    _check_half_launch("decode", dt, {"q": q, "k_cache": k_cache, "v_cache": v_cache})
+    d = q.shape[-1]
+    q4 = q if q.ndim == 4 else q.reshape(1, 1, *q.shape)
+    k4 = k_cache if k_cache.ndim == 4 else k_cache.reshape(1, 1, *k_cache.shape)
+    B, H, n, _ = q4.shape
+    Hk, m = k4.shape[1], k4.shape[2]
+    G = H // Hk
+    kernel = _decode_plan(d, kernel, device_limits(), G * n).kernel
+    rows = block_rows(kernel, G * n)
+    chunks = math.ceil(G * n / rows)
+    if kernel == "rows" and Hk * chunks > 65535:
+        raise ValueError(f"heads_kv x ceil(group x n / {rows}) must be at most 65535; got {Hk * chunks}")
+    if kernel != "rows" and B * Hk > 65535:
+        raise ValueError(f"batch x heads_kv must be at most 65535; got {B * Hk}")
+    split, merge = _kernels(dt, d, kernel, rows)
+    if num_splits is None:
+        num_splits = default_splits_here(q4.shape, k4.shape, d, kernel, dt)
+    if not 1 <= num_splits <= 65535:
+        raise ValueError(f"num_splits must be between 1 and 65535; got {num_splits}")
+    num_splits = int(num_splits)
+    grid = (num_splits, Hk * chunks, B) if kernel == "rows" else (chunks, num_splits, B * Hk)
+    dims = tuple(np.int32(x) for x in (n, m, H, Hk, split_length(m, num_splits)))
+    return _Step(split, merge, grid, MMA_THREADS if kernel == "mma" else THREADS, dims, np.int32(num_splits),
+                 ((B, H, n, num_splits, d), (B, H, n, num_splits)), (B * H * n,), d, B, m,
+                 np.float32(check_scale(None, d)))
+
+
 def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Sequence[int] | None = None,
            causal: bool = False, scale: float | None = None, bf16: bool = False, return_partials: bool = False,
            kernel: str = "best", out: tuple[Any, Any] | None = None, workspace: Workspace | None = None):
@@ -312,39 +374,33 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     cp = _cupy()
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be True or False; got {causal!r}")
-    dt = _check_inputs(q, k_cache, v_cache, bf16)
-    _check_half_launch("decode", dt, {"q": q, "k_cache": k_cache, "v_cache": v_cache})
-    d = q.shape[-1]
-    scale = check_scale(scale, d)
-    q4 = q if q.ndim == 4 else q.reshape(1, 1, *q.shape)
-    k4 = k_cache if k_cache.ndim == 4 else k_cache.reshape(1, 1, *k_cache.shape)
-    v4 = v_cache if v_cache.ndim == 4 else v_cache.reshape(1, 1, *v_cache.shape)
-    B, H, n, _ = q4.shape
-    Hk, m = k4.shape[1], k4.shape[2]
-    G = H // Hk
-    kernel = _decode_plan(d, kernel, device_limits(), G * n).kernel
-    rows = block_rows(kernel, G * n)
-    chunks = math.ceil(G * n / rows)
-    if kernel == "rows" and Hk * chunks > 65535:
-        raise ValueError(f"heads_kv x ceil(group x n / {rows}) must be at most 65535; got {Hk * chunks}")
-    if kernel != "rows" and B * Hk > 65535:
-        raise ValueError(f"batch x heads_kv must be at most 65535; got {B * Hk}")
-    split, merge = _kernels(dt, d, kernel, rows)
-    if num_splits is None:
-        num_splits = default_splits_here(q4.shape, k4.shape, d, kernel, dt)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer))):
         raise TypeError(f"num_splits must be an int or None; got {num_splits!r}")
-    if not 1 <= num_splits <= 65535:
-        raise ValueError(f"num_splits must be between 1 and 65535; got {num_splits}")
-    num_splits = int(num_splits)
-    lens = _lengths_array(lengths, B, m)
-
+    if not isinstance(kernel, str):
+        raise TypeError(f"kernel must be a name (a str); got {kernel!r}")
+    step = key = None
+    if isinstance(q, cp.ndarray) and isinstance(k_cache, cp.ndarray) and isinstance(v_cache, cp.ndarray):
+        key = ("decode step", q.shape, k_cache.shape, v_cache.shape, q.dtype, k_cache.dtype, v_cache.dtype,
+               bool(bf16), kernel, num_splits, _device_id(cp))
+        step = _configured().get(key)
+    if step is None:  # the first call of this signature: every check, the plan, the kernels, the split count
+        step = _plan_step(q, k_cache, v_cache, bf16, kernel, num_splits)
+        if key is not None:
+            _configured()[key] = step
+    else:  # what the signature does not fix: the arrays' layout and alignment
+        for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if not x.flags.c_contiguous:
+                raise ValueError(f"{name} must be C-contiguous (use cupy.ascontiguousarray); got strides {x.strides}")
+            if x.data.ptr % 16:
+                raise ValueError(f"{name} must start on a 16-byte boundary (the kernel loads 16 bytes at a time)")
+    scale = step.scale if scale is None else np.float32(check_scale(scale, step.d))
+    lens = NULL_POINTER if lengths is None else _lengths_array(lengths, step.batch, step.m)
     if workspace is None:
-        o_parts = cp.empty((B, H, n, num_splits, d), dtype=cp.float32)
-        lse_parts = cp.empty((B, H, n, num_splits), dtype=cp.float32)
+        o_parts = cp.empty(step.parts[0], dtype=cp.float32)
+        lse_parts = cp.empty(step.parts[1], dtype=cp.float32)
     else:
-        o_parts = workspace.get("decode_o_parts", (B, H, n, num_splits, d), cp.float32)
-        lse_parts = workspace.get("decode_lse_parts", (B, H, n, num_splits), cp.float32)
+        o_parts = workspace.get("decode_o_parts", step.parts[0], cp.float32)
+        lse_parts = workspace.get("decode_lse_parts", step.parts[1], cp.float32)
     if out is None:
         o = cp.empty_like(q)
         lse = cp.empty(q.shape[:-1], dtype=cp.float32)
@@ -352,11 +408,10 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
         o, lse = out
         _check_out("out[0]", o, q.shape, q.dtype)
         _check_out("out[1]", lse, q.shape[:-1], cp.float32)
-    grid = (num_splits, Hk * chunks, B) if kernel == "rows" else (chunks, num_splits, B * Hk)
-    split(grid, (MMA_THREADS if kernel == "mma" else THREADS,),
-          (q4, k4, v4, lens, o_parts, lse_parts, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk),
-           np.int32(split_length(m, num_splits)), np.float32(scale), np.int32(bool(causal))))
-    merge((B * H * n,), (d,), (o_parts, lse_parts, o, lse, np.int32(num_splits)))
+    # (n, d) inputs are passed as they are: a (1, 1, n, d) view would be the same pointer
+    step.split(step.grid, (step.threads,), (q, k_cache, v_cache, lens, o_parts, lse_parts, *step.dims, scale,
+                                             _CAUSAL[bool(causal)]))
+    step.merge(step.merge_grid, (step.d,), (o_parts, lse_parts, o, lse, step.num_splits))
     if return_partials:
         return o, lse, o_parts, lse_parts
     return o, lse
