@@ -105,7 +105,7 @@ bench-hopper: setup
 
 bench-decode: setup
 	$(BENCH) decode --m 65536 --splits 4 16 20 41 64 128 256 --repeat 20 --warmup 3
-	$(BENCH) decode --name decode_gqa --m 131072 --heads 32 --kv-heads 8 --kernels keys --splits 16 33 66 132 264 \
+	$(BENCH) decode --name decode_gqa --m 131072 --heads 32 --kv-heads 8 --kernels keys mma --splits 16 33 66 132 264 \
 	    --repeat 20 --warmup 3
 
 bench-memory: setup

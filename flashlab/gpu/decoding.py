@@ -69,6 +69,7 @@ BLOCKS_PER_SM = {"rows": 4}
 KEYS_BLOCKS_PER_SM = {1: 5, 2: 4, 4: 4, 8: 2}  # the "keys" kernel, by query rows per block (R)
 FILES = {"keys": KEYS_FILE, "rows": KERNEL_FILE, "mma": MMA_FILE}
 THREADS = 128  # threads per block of the "keys" and "rows" split kernels
+MERGE_THREADS = 256  # of the merge kernel (MT in decode_r1_split.cu)
 MIN_CC = 75  # plain CUDA (bf16 stored by hand below sm_80); static shared memory only (< 48 KB)
 MMA_ROWS = 16  # query rows per block of the "mma" kernel: the rows of one mma.sync m16n8k16
 MMA_THREADS = 32  # one warp per block
@@ -411,7 +412,7 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     # (n, d) inputs are passed as they are: a (1, 1, n, d) view would be the same pointer
     step.split(step.grid, (step.threads,), (q, k_cache, v_cache, lens, o_parts, lse_parts, *step.dims, scale,
                                              _CAUSAL[bool(causal)]))
-    step.merge(step.merge_grid, (step.d,), (o_parts, lse_parts, o, lse, step.num_splits))
+    step.merge(step.merge_grid, (MERGE_THREADS,), (o_parts, lse_parts, o, lse, step.num_splits))
     if return_partials:
         return o, lse, o_parts, lse_parts
     return o, lse
