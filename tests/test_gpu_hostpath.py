@@ -191,7 +191,7 @@ def test_decode_default_lengths_pass_a_null_pointer_and_reuse_the_workspace(stan
     assert o is out[0] and lse is out[1]
     assert counts.snapshot() == before and ws.nbytes == held
     calls = counts.launches[launched:]
-    assert [name for name, _ in calls] == ["decode_keys_f16_d128_r1", "decode_merge_f16_d128"]  # no fill kernel
+    assert [name for name, _ in calls] == ["decode_mma_f16_d128", "decode_merge_f16_d128"]  # no fill kernel
     lens = calls[0][1][3]
     assert isinstance(lens, np.int64) and lens == 0 and lens.nbytes == 8  # a null pointer's bytes
     # Given lengths travel as a device array, and fewer splits reuse the workspace's buffers.
@@ -201,8 +201,7 @@ def test_decode_default_lengths_pass_a_null_pointer_and_reuse_the_workspace(stan
 
 def test_decode_plans_a_signature_once_and_still_checks_each_call(stand_in, monkeypatch):
     """A repeated decoding step neither plans nor asks for the split count again (its launches are kept by
-    signature), yet every call still refuses a non-contiguous array; a GQA group of 4 rows takes the "mma"
-    kernel (on the stand-in's sm_90)."""
+    signature), yet every call still refuses a non-contiguous array."""
     from flashlab.gpu import decoding
 
     cp, counts = stand_in.cp, stand_in.counts

@@ -153,22 +153,20 @@ VOLTA = dataclasses.replace(T4, name="V100 (simulated)", cc=70)
 
 
 @pytest.mark.parametrize("lim", [*DEVICES, VOLTA], ids=lambda lim: lim.name)
-def test_decode_runs_keys_from_sm75_and_names_the_limit_below(lim):
-    if lim.cc >= 75:
-        assert decoding._decode_plan(128, "best", lim).kernel == decoding.KERNELS[0]
-        assert decoding._decode_plan(128, "rows", lim).file == decoding.KERNEL_FILE
-        # a GQA group of 4 rows or more: the tensor-core kernel from sm_80, "keys" below with the reason named
-        gqa = decoding._decode_plan(128, "best", lim, decoding.MMA_MIN_ROWS)
-        if lim.cc >= 80:
-            assert gqa.kernel == "mma" and gqa.threads == decoding.MMA_THREADS
-            assert decoding._decode_plan(128, "best", lim, decoding.MMA_MIN_ROWS - 1).kernel == "keys"
-        else:
-            assert gqa.kernel == "keys" and "needs sm_80 or newer" in gqa.reason
-            with pytest.raises(ValueError, match=r"decode kernel 'mma' needs sm_80 or newer"):
-                decoding._decode_plan(128, "mma", lim)
+def test_decode_runs_mma_from_sm80_keys_on_sm75_and_names_the_limit_below(lim):
+    if lim.cc >= 80:
+        plan = decoding._decode_plan(128, "best", lim)
+        assert plan.kernel == "mma" and plan.threads == decoding.MMA_THREADS and not plan.passed_over
+    elif lim.cc >= 75:  # the tensor-core kernel needs sm_80: passed over with the reason named
+        plan = decoding._decode_plan(128, "best", lim)
+        assert plan.kernel == "keys" and "'mma'" in plan.reason and "needs sm_80 or newer" in plan.reason
+        with pytest.raises(ValueError, match=r"decode kernel 'mma' needs sm_80 or newer"):
+            decoding._decode_plan(128, "mma", lim)
     else:
         with pytest.raises(ValueError, match=r"'keys' needs sm_75 or newer; this GPU is sm_70"):
             decoding._decode_plan(128, "best", lim)
+    if lim.cc >= 75:
+        assert decoding._decode_plan(128, "rows", lim).file == decoding.KERNEL_FILE
     with pytest.raises(ValueError, match="kernel must be one of"):
         decoding._decode_plan(128, "fast", lim)
 
@@ -237,7 +235,8 @@ def test_public_calls_launch_what_the_plan_says(gpu_like, lim):
         assert launches[-2] == (pb.file, f"{pb.spec.stem}_f16_d{d}", pb.shared_bytes)
         pd = fgpu.plan_decode(q1, k, v)
         fgpu.decode(q1, k, v)
-        assert launches[-2][:2] == (pd.file, f"decode_keys_f16_d{d}_r1")
+        name = f"decode_keys_f16_d{d}_r1" if lim.cc < 80 else f"decode_mma_f16_d{d}"
+        assert pd.kernel == ("keys" if lim.cc < 80 else "mma") and launches[-2][:2] == (pd.file, name)
 
 
 def test_a_forward_request_the_t4_cannot_run_is_refused_before_the_driver(gpu_like):

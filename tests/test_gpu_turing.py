@@ -2,7 +2,7 @@
 
 No T4 is needed. The device's limits are replaced by the T4's attribute set (``KNOWN_DEVICES["T4"]``), so every
 public call plans as on a T4: the Turing forward rung for fp16, rung 2 for bf16 and fp32, the scalar backward, the
-split decoding kernels of sm_75 ("keys" also for GQA groups, which take "mma" from sm_80). Every kernel file is
+split decoding kernels of sm_75 ("keys", where sm_80 and newer take "mma"). Every kernel file is
 compiled by nvcc (or NVRTC without it) to PTX for ``compute_75``
 (``__CUDA_ARCH__`` = 750: the Turing branches of the sources, such as the hand-rounded bf16 store) and loaded as
 PTX, which the driver compiles for the GPU it runs on. The results are checked by the project's rule with the
@@ -121,7 +121,7 @@ def test_decoding_as_turing_code_matches_reference(rng, as_t4, dt):
         lengths = [int(x) for x in rng.integers(1, m + 1, size=B)]
         tgd._check_decode(rng, dt, B, Hk * G, Hk, int(rng.choice([1, 3])), m, d, bool(trial % 2), None, lengths,
                           kernel="best")
-    # groups of 4 and 8 rows would take the "mma" kernel from sm_80 on; a T4 runs "keys" for them
+    # sm_80 and newer would take the "mma" kernel; a T4 runs "keys"
     assert set(as_t4) >= {f for f, cc in decoding.FILE_MIN_CC.items() if cc <= 75} and decoding.MMA_FILE not in as_t4
 
 

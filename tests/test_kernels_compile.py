@@ -138,12 +138,15 @@ def test_no_kernel_spills_where_the_plan_chooses_it(usage):
                             chosen.append((spec.file, spec.defines, f"attn_{sparse}_{dt}_d{d}"))
         for d in fgpu.HEAD_DIMS:
             mk = backward._backward_plan(d, "best", lim).spec
-            keys = decoding._decode_plan(d, "best", lim)
+            split = decoding._decode_plan(d, "best", lim)
             for dt in HALF:
                 chosen += [(mk.file, (), f"{mk.stem}_{dt}_d{d}"), (backward.KERNEL_FILE, (), f"bwd_dot_{dt}_d{d}"),
                            (backward.KERNEL_FILE, (), f"bwd_dq_{dt}"),
                            (decoding.KERNEL_FILE, (), f"decode_merge_{dt}_d{d}")]
-                chosen += [(keys.file, (), f"decode_keys_{dt}_d{d}_r{r}") for r in decoding.KEYS_ROWS]
+                if split.kernel == "mma":
+                    chosen.append((split.file, (), f"decode_mma_{dt}_d{d}"))
+                else:
+                    chosen += [(split.file, (), f"decode_keys_{dt}_d{d}_r{r}") for r in decoding.KEYS_ROWS]
         for file, defines, function in chosen:
             if hopper.is_hopper(file):  # built for sm_90a alone, by flashlab.gpu.hopper (sm_90's "best")
                 k = {r["kernel"]: r for r in hopper.compile_report(file, defines)}[function]

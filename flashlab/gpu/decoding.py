@@ -16,9 +16,10 @@ Kernels: ``kernels/decode_r1_split.cu`` (``kernel="rows"``: the first version, w
 a 32-key tile in shared memory; and the merge kernel), ``kernels/decode_r2_warp_keys.cu`` (``kernel="keys"``: warps
 share out the keys and stream them from global memory with many 16-byte loads in flight, the query rows in
 registers) and ``kernels/decode_r3_mma.cu`` (``kernel="mma"``: a group's query rows are the 16 rows of a tensor-core
-mma, a warp per block streaming its keys through a cp.async ring). "best" takes "mma" for groups of MMA_MIN_ROWS
-rows or more (GQA) from sm_80 on, "keys" otherwise. Inputs fp16, or bf16 bit patterns in uint16 with ``bf16=True``
-(see ``flashlab.gpu``).
+mma, a warp per block streaming its keys through a cp.async ring). "best" takes "mma" from sm_80 on (on the H200 it
+was at least as fast as "keys" with one query row per K/V head and faster with GQA groups, under both protocols:
+data/ch8/decode.json, decode_gqa.json), "keys" on sm_75. Inputs fp16, or bf16 bit patterns in uint16 with
+``bf16=True`` (see ``flashlab.gpu``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ from . import (
     _cupy,
     _device_id,
     choose,
-    device_limits,
     kernel_function,
     launch_problem,
     sm_count,
@@ -56,7 +56,7 @@ KERNEL_FILE = "decode_r1_split.cu"  # the "rows" split kernel and the merge kern
 KEYS_FILE = "decode_r2_warp_keys.cu"
 MMA_FILE = "decode_r3_mma.cu"
 KERNEL_FILES = (KERNEL_FILE, KEYS_FILE, MMA_FILE)
-KERNELS = ("keys", "rows", "mma")  # the first is the default where a group has fewer than MMA_MIN_ROWS rows
+KERNELS = ("mma", "keys", "rows")  # fastest first on the H200: "best" takes the first this GPU runs
 BLOCK_KEYS = 32  # keys per tile of the "rows" kernel (BC in the .cu); split lengths are multiples of it for both
 BLOCK_ROWS = 32  # query rows (heads of a group x query tokens) per block of the "rows" kernel (ROWS in the .cu)
 KEYS_ROWS = (1, 2, 4, 8)  # row counts the "keys" kernel is compiled for (R in the .cu): the smallest that fits
@@ -67,53 +67,38 @@ MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs (launch share, merg
 # chapter 8 assume.
 BLOCKS_PER_SM = {"rows": 4}
 KEYS_BLOCKS_PER_SM = {1: 5, 2: 4, 4: 4, 8: 2}  # the "keys" kernel, by query rows per block (R)
-FILES = {"keys": KEYS_FILE, "rows": KERNEL_FILE, "mma": MMA_FILE}
+FILES = {"mma": MMA_FILE, "keys": KEYS_FILE, "rows": KERNEL_FILE}
 THREADS = 128  # threads per block of the "keys" and "rows" split kernels
-MERGE_THREADS = 256  # of the merge kernel (MT in decode_r1_split.cu)
+MERGE_THREADS = 1024  # of the merge kernel (MT in decode_r1_split.cu)
 MIN_CC = 75  # plain CUDA (bf16 stored by hand below sm_80); static shared memory only (< 48 KB)
 MMA_ROWS = 16  # query rows per block of the "mma" kernel: the rows of one mma.sync m16n8k16
 MMA_THREADS = 32  # one warp per block
 MMA_MIN_CC = 80  # mma.sync m16n8k16 with bf16 inputs, cp.async
-MMA_MIN_ROWS = 4  # "best" takes "mma" for a group of this many rows (heads per K/V head x query tokens) or more
 MMA_BLOCKS_PER_SM = 4  # its 48 KB ring of static shared memory per block at d = 128, as on sm_90
 FILE_MIN_CC = {KERNEL_FILE: MIN_CC, KEYS_FILE: MIN_CC, MMA_FILE: MMA_MIN_CC}  # the oldest GPU each file builds for
 
 
 @functools.lru_cache(maxsize=64)
-def _decode_plan(d: int, kernel: str, lim: DeviceLimits, rows: int = 1) -> Plan:
-    """The split kernel for head dimension d and ``rows`` query rows per K/V head (group size x query tokens)."""
+def _decode_plan(d: int, kernel: str, lim: DeviceLimits) -> Plan:
     if kernel != "best" and kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))} or 'best'; got {kernel!r}")
 
-    def problem(name: str, _file, best: bool) -> str | None:
+    def problem(name: str, *_) -> str | None:
         if name == "mma":
-            why = launch_problem("", min_cc=MMA_MIN_CC, shared_bytes=0, threads=MMA_THREADS, lim=lim)
-            if why is None and best and rows < MMA_MIN_ROWS:
-                why = (f"a group of {rows} query row{'s' * (rows != 1)} would leave most of its mma's 16 rows "
-                       f"empty (taken from {MMA_MIN_ROWS} rows on)")
-            return why
+            return launch_problem("", min_cc=MMA_MIN_CC, shared_bytes=0, threads=MMA_THREADS, lim=lim)
         return launch_problem("", min_cc=MIN_CC, shared_bytes=0, threads=THREADS, lim=lim)
 
-    order = {"mma": MMA_FILE, "keys": KEYS_FILE, "rows": KERNEL_FILE}  # fastest first, as measured on the H200
-    name, file, passed = choose("decode", order, problem, kernel, lim)
+    name, file, passed = choose("decode", FILES, problem, kernel, lim)
     return Plan("decode", name, file, 0, MMA_THREADS if name == "mma" else THREADS, lim, passed, file)
 
 
 def plan_decode(q, k_cache, v_cache, *, kernel: str = "best", bf16: bool = False) -> Plan:
-    """The split kernel ``decode`` launches on this GPU for these shapes, and why (see ``flashlab.gpu.plan``):
-    "mma" for groups of MMA_MIN_ROWS query rows or more from sm_80 up, else "keys" on every GPU from sm_75 up;
-    older ones get a ValueError naming the compute capability."""
+    """The split kernel ``decode`` launches on this GPU, and why (see ``flashlab.gpu.plan``): "mma" from sm_80 up,
+    "keys" on sm_75; older GPUs get a ValueError naming the compute capability."""
     dt = _check_inputs(q, k_cache, v_cache, bf16)
     if dt == "f32":
         raise TypeError("decode takes float16 or (with bf16=True) bfloat16 bits in uint16; got float32")
-    return _decode_plan(q.shape[-1], kernel, device_limits(), _group_rows(q, k_cache))
-
-
-def _group_rows(q, k_cache) -> int:
-    """Query rows per K/V head: heads per K/V head times query tokens (1 for 2-D inputs)."""
-    if q.ndim != 4 or k_cache.ndim != 4 or k_cache.shape[1] == 0:
-        return q.shape[0] if q.ndim == 2 else 1
-    return q.shape[1] // k_cache.shape[1] * q.shape[2]
+    return _decode_plan(q.shape[-1], kernel, _gpu().device_limits())
 
 
 # ----------------------------------------------------------------------------------------------- CPU: the math
@@ -310,11 +295,15 @@ class _Step:
 _CAUSAL = (np.int32(0), np.int32(1))
 
 
+def _gpu():
+    """The ``flashlab.gpu`` package, for what must be read at call time: a decoding step's launches are kept in its
+    dictionary of compiled and configured kernels (``_FUNCTIONS``) and go with them when that is replaced, and a
+    step is planned for what ``device_limits()`` says then (tests replace both to plan for another GPU)."""
+    return sys.modules[__package__]
+
+
 def _configured() -> dict:
-    """The package's dictionary of compiled and configured kernels (``flashlab.gpu._FUNCTIONS``), read at call time:
-    a decoding step's launches are kept beside its kernels, and go with them when the dictionary is replaced (as
-    tests do to plan for another GPU)."""
-    return sys.modules[__package__]._FUNCTIONS
+    return _gpu()._FUNCTIONS
 
 
 def _plan_step(q, k_cache, v_cache, bf16: bool, kernel: str, num_splits: int | None) -> _Step:
@@ -327,7 +316,7 @@ def _plan_step(q, k_cache, v_cache, bf16: bool, kernel: str, num_splits: int | N
     B, H, n, _ = q4.shape
     Hk, m = k4.shape[1], k4.shape[2]
     G = H // Hk
-    kernel = _decode_plan(d, kernel, device_limits(), G * n).kernel
+    kernel = _decode_plan(d, kernel, _gpu().device_limits()).kernel
     rows = block_rows(kernel, G * n)
     chunks = math.ceil(G * n / rows)
     if kernel == "rows" and Hk * chunks > 65535:
@@ -360,8 +349,8 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     picks enough splits to fill the GPU with one wave of blocks (``default_num_splits``, with the kernel's
     occupancy on this GPU: ``resident_blocks``); 1 is the unsplit kernel (one block per (batch,
     K/V head, chunk of query rows)), followed by the same merge kernel, which then copies. ``kernel`` picks the
-    split kernel: "keys", "rows" (the first version), "mma" (see the module's docstring) or "best" (the default:
-    "mma" for groups of MMA_MIN_ROWS rows or more, else "keys", where the GPU runs them; ``plan_decode``).
+    split kernel: "mma", "keys", "rows" (the first version; see the module's docstring) or "best" (the default:
+    "mma" from sm_80, "keys" on sm_75; ``plan_decode``).
 
     o has q's shape and dtype; lse (q's shape without d, float32, natural log) is -inf for a row that sees no
     key (its o is 0). ``return_partials=True`` also returns the fp32 partials (o_parts (B, H, n, S, d),

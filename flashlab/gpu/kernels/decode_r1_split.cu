@@ -14,7 +14,7 @@
 // max and sum are warp shuffles), then every thread updates its share of the ROWS x D accumulator with P V.
 // Scores are kept in log2 units (log2(e) folded into the scale, exp2), as in rung 6 of the forward ladder.
 //
-// Kernel 2, decode_merge_<dt>_d<D>: grid (B * H * n), MT = 256 threads, one row of the output per block.
+// Kernel 2, decode_merge_<dt>_d<D>: grid (B * H * n), MT = 1024 threads, one row of the output per block.
 //
 // Layout: q (B, H, n, D), k and v (B, Hk, m, D) fp16 or bf16 bits; lens (B) int32 cache lengths (<= m) or null;
 // partial o (B, H, n, S, D) fp32, partial lse (B, H, n, S) fp32; o like q; lse (B, H, n) fp32 (natural log).
@@ -202,13 +202,14 @@ __device__ void decode_split(const u16* __restrict__ q, const u16* __restrict__ 
     }
 }
 
-// One query row per block: the logsumexp-weighted sum of the S partials. MT = 256 threads; thread t owns column
-// t % D for the splits s = t / D, t / D + MT / D, ... (two groups of splits at D = 128, four at D = 64), and the
-// groups' sums meet in shared memory at the end. The maximum and the sum of the weights are block reductions over
+// One query row per block: the logsumexp-weighted sum of the S partials. MT = 1024 threads; thread t owns column
+// t % D for the splits s = t / D, t / D + MT / D, ... (8 groups of splits at D = 128, 16 at D = 64), and the groups'
+// sums meet in shared memory at the end. The maximum and the sum of the weights are block reductions over
 // the S lse values, read once, S / MT of them per thread. Why not one thread per column walking all S splits: that
 // walk is a chain of S loads from L2, one after the other, and it took 17 us at S = 66 on an H200 (Nsight Compute),
-// more than a tenth of the split kernel's time; here a thread has 8 loads in flight and walks S / (MT / D) splits.
-#define MT 256
+// more than a tenth of the split kernel's time; here a thread walks S / (MT / D) splits (9 at S = 66), with their
+// loads in flight together.
+#define MT 1024
 __device__ __forceinline__ float block_max(float x, float* red) {
     for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
     __syncthreads();  // red is free: the previous reduction has been read by every thread
