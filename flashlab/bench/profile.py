@@ -1,4 +1,5 @@
-"""``python -m flashlab bench profile``: one forward pass of one implementation, bracketed for Nsight Compute.
+"""``python -m flashlab bench profile``: one forward pass (or backward, or decoding step) of one implementation,
+bracketed for Nsight Compute.
 
 Run it under ``ncu --profile-from-start off ...``: the inputs are made and the kernels compiled and run once
 (warm-up) before ``cudaProfilerStart``, so only the measured call's kernels are profiled. Used to record the
@@ -86,9 +87,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--pass", dest="which", choices=("forward", "backward"), default="forward",
+    p.add_argument("--pass", dest="which", choices=("forward", "backward", "decode"), default="forward",
                    help="backward: the gradients of one call (the course's backward kernel IMPL, e.g. pipe, or "
-                        "sdpa_flash), the forward outputs made before the profiled range")
+                        "sdpa_flash), the forward outputs made before the profiled range; decode: one decoding step "
+                        "of the split kernel IMPL (mma, keys or rows) with its default split count, --n query "
+                        "tokens against a cache of --m keys")
+    p.add_argument("--kv-heads", type=int, default=None, help="K/V heads (default: --heads)")
+    p.add_argument("--m", type=int, default=None, help="keys (default: --n)")
     return p
 
 
@@ -145,8 +150,15 @@ def main(argv: list[str] | None = None) -> int:
 
     rng = cp.random.default_rng(3)
     shape = (args.batch, args.heads, args.n, args.d)
-    q, k, v = (rng.standard_normal(shape, dtype=cp.float32).astype(cp.float16) for _ in range(3))
-    if args.which == "backward":
+    kv_shape = (args.batch, args.kv_heads or args.heads, args.m or args.n, args.d)
+    q = rng.standard_normal(shape, dtype=cp.float32).astype(cp.float16)
+    k, v = (rng.standard_normal(kv_shape, dtype=cp.float32).astype(cp.float16) for _ in range(2))
+    if args.which == "decode":
+        from ..gpu import decode
+
+        def run():
+            return decode(q, k, v, causal=args.causal, kernel=args.impl)
+    elif args.which == "backward":
         run = _backward_run(args, q, k, v, rng)
     elif args.impl == "cupy_naive":
         def run():
@@ -170,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     run()
     cp.cuda.Device().synchronize()
     cp.cuda.profiler.stop()
-    which = " backward" if args.which == "backward" else ""
-    print(f"profiled {args.impl} shape={shape} causal={args.causal}{which}")
+    which = "" if args.which == "forward" else f" {args.which}"
+    kv = f" kv_shape={kv_shape}" if kv_shape != shape else ""
+    print(f"profiled {args.impl} shape={shape}{kv} causal={args.causal}{which}")
     return 0
 
