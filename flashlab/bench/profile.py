@@ -19,6 +19,7 @@ import csv
 import io
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -65,6 +66,25 @@ def summarize(csv_text: str) -> list[dict]:
     for entry, impl in zip(out, pending_impl, strict=False):
         entry["impl"] = impl
         entry["metrics"] = dict(entry["metrics"])
+    return out
+
+
+_KERNEL_LINE = re.compile(r"^  (\w+) \(\d+, \d+, \d+\)x\(\d+, \d+, \d+\)")
+_METRIC_LINE = re.compile(r"^    (\S.*?\S)\s{2,}(\S+)?\s+([\d,.]+)$")
+
+
+def report_metrics(text: str) -> list[tuple[str, dict[str, float]]]:
+    """The kernels of an Nsight Compute text report (``ncu --section ...`` without ``--csv``), in launch order:
+    ``(kernel name, {metric name: value})`` with values as numbers (units dropped, thousands separators removed)."""
+    out: list[tuple[str, dict[str, float]]] = []
+    for line in text.splitlines():
+        k = _KERNEL_LINE.match(line)
+        if k:
+            out.append((k.group(1), {}))
+            continue
+        m = _METRIC_LINE.match(line)
+        if m and out:
+            out[-1][1].setdefault(m.group(1), float(m.group(3).replace(",", "")))
     return out
 
 
