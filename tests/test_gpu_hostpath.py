@@ -219,6 +219,12 @@ def test_decode_plans_a_signature_once_and_still_checks_each_call(stand_in, monk
         fgpu.decode(q, kc, hostemu._wrap(np.asfortranarray(np.asarray(vc))))
     fgpu.decode(q, strided, strided)  # another signature: planned afresh
     assert len(planned) == 2
+    # a cache that grows every step is a new signature every step: the oldest plans are dropped
+    monkeypatch.setattr(decoding, "_STEPS_KEPT", 2)
+    fgpu.decode(q, kc[:, :, :999].copy(), vc[:, :, :999].copy())
+    assert len(fgpu._FUNCTIONS["decode steps"]) == 2 and len(planned) == 3
+    fgpu.decode(q, kc, vc)  # the first signature was dropped: planned again
+    assert len(planned) == 4
 
 
 

@@ -361,7 +361,8 @@ def _device_id(cp) -> int:
 
 _CAPABILITY: dict[int, int] = {}  # device ordinal -> compute capability
 _SM_COUNT: dict[int, int] = {}  # device ordinal -> multiprocessors
-_FUNCTIONS: dict[tuple, Any] = {}  # (file, defines, function, device) -> compiled and configured kernel
+_FUNCTIONS: dict[Any, Any] = {}  # (file, defines, function, device) -> compiled and configured kernel;
+# "decode steps" -> decoding's planned launches (flashlab.gpu.decoding._steps)
 
 
 def compute_capability() -> int:

@@ -302,8 +302,12 @@ def _gpu():
     return sys.modules[__package__]
 
 
-def _configured() -> dict:
-    return _gpu()._FUNCTIONS
+_STEPS_KEPT = 256  # signatures a process keeps planned (a loop whose cache grows each step would add one a step)
+
+
+def _steps() -> dict:
+    """This device's planned steps, oldest first, kept in the package's dictionary of configured kernels."""
+    return _gpu()._FUNCTIONS.setdefault("decode steps", {})
 
 
 def _plan_step(q, k_cache, v_cache, bf16: bool, kernel: str, num_splits: int | None) -> _Step:
@@ -370,13 +374,16 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
         raise TypeError(f"kernel must be a name (a str); got {kernel!r}")
     step = key = None
     if isinstance(q, cp.ndarray) and isinstance(k_cache, cp.ndarray) and isinstance(v_cache, cp.ndarray):
-        key = ("decode step", q.shape, k_cache.shape, v_cache.shape, q.dtype, k_cache.dtype, v_cache.dtype,
-               bool(bf16), kernel, num_splits, _device_id(cp))
-        step = _configured().get(key)
+        key = (q.shape, k_cache.shape, v_cache.shape, q.dtype, k_cache.dtype, v_cache.dtype, bool(bf16), kernel,
+               num_splits, _device_id(cp))
+        step = _steps().get(key)
     if step is None:  # the first call of this signature: every check, the plan, the kernels, the split count
         step = _plan_step(q, k_cache, v_cache, bf16, kernel, num_splits)
         if key is not None:
-            _configured()[key] = step
+            steps = _steps()
+            if len(steps) >= _STEPS_KEPT:
+                steps.pop(next(iter(steps)))
+            steps[key] = step
     else:  # what the signature does not fix: the arrays' layout and alignment
         for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
             if not x.flags.c_contiguous:
