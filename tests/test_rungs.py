@@ -93,8 +93,8 @@ def test_helpers_command_reports_versions_and_exits_zero():
     block = out.stdout.split("F16::mma: 2 versions\n")[1].split("\nF16::pack")[0]
     assert "version 1: r3_mma, r4_ldmatrix, r5_cp_async, r6_exp2_tiles" in block
     assert "-        asm volatile(" in block and "+        asm(" in block
-    assert re.search(r"^quad_max: 12 identical copies \(r3_mma, .*r9_addressing, r10_one_barrier, r11_k_lanes, "
-                     r"r12_three_blocks, r3t_mma_m16n8k8, sparse_r9_window\)$", out.stdout, re.M)
+    assert re.search(r"^quad_max: 13 identical copies \(r3_mma, .*r9_addressing, r10_one_barrier, r11_k_lanes, "
+                     r"r12_three_blocks, r3t_mma_m16n8k8, decode_r3_mma, sparse_r9_window\)$", out.stdout, re.M)
 
 
 # ---------------------------------------------------------------------------------------- listing and diffs

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Iterator
 from . import HOPPER_RUNGS, KERNEL_DIR, RUNGS
 
 # Listed by hand, like every group below: a new file's copies are placed in a version on purpose.
-CH8 = ("bwd_r1_smem", "bwd_r2_mma", "bwd_r3_pipelined", "decode_r1_split", "decode_r2_warp_keys")
+CH8 = ("bwd_r1_smem", "bwd_r2_mma", "bwd_r3_pipelined", "decode_r1_split", "decode_r2_warp_keys", "decode_r3_mma")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +52,7 @@ KNOWN_VARIANTS: tuple[KnownVariant, ...] = (
         helpers=("F16::mma", "BF16::mma"),
         groups=(("r3_mma", "r4_ldmatrix", "r5_cp_async", "r6_exp2_tiles"),
                 ("r7_warp32", "r8_lean_softmax", "r9_addressing", "r10_one_barrier", "r11_k_lanes", "r12_three_blocks",
-                 "bwd_r2_mma", "bwd_r3_pipelined", "sparse_r9_window")),
+                 "bwd_r2_mma", "bwd_r3_pipelined", "sparse_r9_window", "decode_r3_mma")),
         why="`asm volatile` in rungs 3-6, plain `asm` from rung 7 on (rung 7 was written without it; the files "
             "written after it followed). volatile forbids the compiler to delete the statement (an mma's outputs "
             "are always used, so there is nothing to delete) or to move it across other volatile asm (ldmatrix, "
