@@ -134,7 +134,8 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-LABELS = {"keys": "`keys` (decode_r2_warp_keys.cu), default splits",
+LABELS = {"mma": "`mma` (decode_r3_mma.cu), default splits",
+          "keys": "`keys` (decode_r2_warp_keys.cu), default splits",
           "rows": "`rows` (decode_r1_split.cu), default splits",
           "sdpa": "PyTorch SDPA, its own backend choice", "sdpa_flash": "PyTorch SDPA, flash backend",
           "sdpa_cudnn": "PyTorch SDPA, cuDNN backend"}
@@ -150,7 +151,8 @@ def _label(impl: str) -> str:
 
 
 # The rows docs/kernels.md shows of data/ch8/decode.json (the whole sweep is in the file)
-SUMMARY_IMPLS = ("keys", "keys_unsplit", "keys_split_41", "rows", "rows_unsplit", "sdpa", "sdpa_flash", "sdpa_cudnn")
+SUMMARY_IMPLS = ("mma", "mma_unsplit", "keys", "keys_unsplit", "keys_split_41", "rows", "rows_unsplit", "sdpa",
+                 "sdpa_flash", "sdpa_cudnn")
 
 
 def markdown_table(rows: list[dict], impls: tuple[str, ...] | None = None) -> str:

@@ -17,7 +17,7 @@ a 32-key tile in shared memory; and the merge kernel), ``kernels/decode_r2_warp_
 share out the keys and stream them from global memory with many 16-byte loads in flight, the query rows in
 registers) and ``kernels/decode_r3_mma.cu`` (``kernel="mma"``: a group's query rows are the 16 rows of a tensor-core
 mma, a warp per block streaming its keys through a cp.async ring). "best" takes "mma" from sm_80 on (on the H200 it
-was at least as fast as "keys" with one query row per K/V head and faster with GQA groups, under both protocols:
+ran within two per cent of "keys" with one query row per K/V head and faster with GQA groups, under both protocols:
 data/ch8/decode.json, decode_gqa.json), "keys" on sm_75. Inputs fp16, or bf16 bit patterns in uint16 with
 ``bf16=True`` (see ``flashlab.gpu``).
 """

@@ -1,13 +1,14 @@
 """``python -m flashlab selfcheck``: every GPU kernel once at small ragged shapes, against a reference.
 
-Small enough to run under ``compute-sanitizer --tool memcheck`` and ``--tool racecheck`` (``make sanitize``):
-ragged shapes (n = 77, m = 131: neither a multiple of any tile), GQA (2 query heads on 1 K/V head), causal with
-n < m, and n > m so that some rows see no key. ``forward [RUNG ...]``: the forward ladder against naive attention;
-``backward-decode [--quick]``: the backward and decoding kernels against float64; ``sparse [--quick]``: the
-block-sparse kernels (``window=``, ``dilation=``, ``block_mask=``) against float64 with the same mask; no part: all
-three. A kernel this GPU cannot run (its compute capability or shared memory per block: the reasons of
-``flashlab.gpu.plan``) is skipped with the reason. Nothing is timed or written; the exit status is non-zero if any
-output is wrong.
+Small enough to run under ``compute-sanitizer --tool memcheck`` and ``--tool racecheck`` (``make sanitize``): ragged
+shapes (n = 77, m = 131: neither a multiple of any tile), GQA (2 query heads on 1 K/V head), causal with n < m, and n
+> m so that some rows see no key. ``forward [RUNG ...]``: the forward ladder against naive attention; ``backward-
+decode [--quick]``: the backward and decoding kernels against float64; ``sparse [--quick]``: the block-sparse kernels
+(``window=``, ``dilation=``, ``block_mask=``) against float64 with the same mask; no part: all three; ``decode``:
+every decoding kernel alone at a few more shapes (GQA, ragged lengths, an empty cache, more rows than one block
+holds), short enough for compute-sanitizer's racecheck. A kernel this GPU cannot run (its compute capability or
+shared memory per block: the reasons of ``flashlab.gpu.plan``) is skipped with the reason. Nothing is timed or
+written; the exit status is non-zero if any output is wrong.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 from .. import blocksparse, reference
 from . import backward, decoding
 
-PARTS = ("all", "forward", "backward-decode", "sparse")
+PARTS = ("all", "forward", "backward-decode", "sparse", "decode")
 
 
 def _verdict(bad: int) -> int:
@@ -158,6 +159,48 @@ def backward_and_decode(quick: bool = False) -> int:
     return _verdict(bad)
 
 
+# (batch, heads, K/V heads, new tokens, cache length, d, causal, splits, lengths): GQA at the benchmark's group size,
+# several tokens with ragged lengths, an empty cache, more rows than one mma holds (40 / 2 heads: 20 rows).
+DECODE_CASES = (
+    (1, 32, 8, 1, 5000, 128, False, None, None),
+    (2, 16, 2, 3, 777, 64, True, 5, [777, 100]),
+    (1, 6, 1, 3, 300, 128, True, 7, [0]),
+    (1, 40, 2, 1, 2000, 128, False, 3, None),
+)
+
+
+def decode_only() -> int:
+    """Every decoding kernel this GPU runs on DECODE_CASES, fp16 and bf16, against float64 (the merge kernel with
+    them). Returns the number of failures."""
+    import cupy as cp
+
+    import flashlab.gpu as fgpu
+
+    rng = np.random.default_rng(5)
+    bad = 0
+    for kernel in decoding.KERNELS:
+        try:
+            decoding._decode_plan(128, kernel, fgpu.device_limits())
+        except ValueError as e:
+            print(f"decode   {kernel:<4} skipped: {e}", flush=True)
+            continue
+        for dt in ("f16", "bf16"):
+            for B, H, Hk, n, m, d, causal, splits, lengths in DECODE_CASES:
+                x = [rng.standard_normal(s).astype(np.float32) for s in ((B, H, n, d), (B, Hk, m, d), (B, Hk, m, d))]
+                dev = [fgpu.to_bf16(cp.asarray(a)) if dt == "bf16" else cp.asarray(a.astype(np.float16)) for a in x]
+                q, k, v = ((fgpu.from_bf16(a).get() if dt == "bf16" else a.get()).astype(np.float64) for a in dev)
+                o, lse = fgpu.decode(*dev, num_splits=splits, lengths=lengths, causal=causal, bf16=dt == "bf16",
+                                     kernel=kernel)
+                want = decoding.decode_numpy(q, k, v, lengths=lengths, causal=causal)[0]
+                got = (fgpu.from_bf16(o) if dt == "bf16" else o.astype(cp.float32)).get().astype(np.float64)
+                err = float(np.abs(got - want).max())
+                ok = err < (3e-2 if dt == "bf16" else 4e-3)
+                bad += not ok
+                print(f"decode   {kernel:<4} {dt:<4} B={B} H={H} Hk={Hk} n={n} m={m:<4} d={d:<3} causal={causal!s:<5} "
+                      f"splits={splits} lengths={lengths} max error {err:.1e} {'ok' if ok else 'FAIL'}", flush=True)
+    return _verdict(bad)
+
+
 # (n, m, pattern, how the call says it): windows on both sides of a ragged shape, and a dilated causal window with
 # n > m, whose first 54 rows see no key; block masks of a local + global pattern and of a dilated one with n > m.
 SPARSE_CASES = (
@@ -215,7 +258,7 @@ def sparse(quick: bool = False) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m flashlab selfcheck [forward [RUNG ...] | backward-decode [--quick] | sparse [--quick]]``."""
+    """``python -m flashlab selfcheck [forward [RUNG ...] | backward-decode [--quick] | sparse [--quick] | decode]``."""
     p = argparse.ArgumentParser(prog="python -m flashlab selfcheck", description=__doc__.splitlines()[0])
     p.add_argument("part", nargs="?", choices=PARTS, default="all", help="which kernels (default: all)")
     p.add_argument("rungs", nargs="*", help="forward: the rungs to check (default: every rung)")
@@ -230,4 +273,6 @@ def main(argv: list[str] | None = None) -> int:
         bad += backward_and_decode(quick=args.quick)
     if args.part in ("all", "sparse"):
         bad += sparse(quick=args.quick)
+    if args.part == "decode":
+        bad += decode_only()
     return 1 if bad else 0
