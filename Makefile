@@ -10,7 +10,7 @@ PRESENT_STAMP := $(VENV)/.installed-present-stamp
 
 .PHONY: setup dev lab test test-gpu html slides present release grade lint clean \
         bench-forward bench-ablate bench-peak bench-hopper bench-backward bench-decode bench-memory bench-train bench-ring bench-sparse bench-cpu \
-        profile profile-occupancy profile-backward sanitize
+        profile profile-occupancy profile-backward profile-decode sanitize
 
 setup: $(STAMP)
 
@@ -181,6 +181,19 @@ comma := ,
 STALLS := --metrics $(subst $(space),$(comma),$(foreach r,$(STALL_REASONS),smsp__average_warps_issue_stalled_$(r)_per_issue_active.ratio)),$\
 smsp__inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,$\
 sm__warps_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum
+# One GQA decoding step (32 query heads on 8 K/V heads, 131072 keys) of each fast split kernel under ncu, as a text
+# report: instructions issued per key, how often the schedulers issue, how busy DRAM is (chapter 8, docs/kernels.md).
+DECODE_SECTIONS := --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
+    --section MemoryWorkloadAnalysis --section InstructionStats --section LaunchStats
+DECODE_SHAPE := --pass decode --d 128 --n 1 --batch 1 --heads 32 --kv-heads 8 --m 131072
+
+profile-decode: setup
+	mkdir -p data/raw/ncu
+	ncu --profile-from-start off --clock-control none $(DECODE_SECTIONS) $(PROFILE) --impl keys $(DECODE_SHAPE) \
+	    > data/raw/ncu/ncu_decode_keys_gqa.txt
+	ncu --profile-from-start off --clock-control none $(DECODE_SECTIONS) $(PROFILE) --impl mma $(DECODE_SHAPE) \
+	    > data/raw/ncu/ncu_decode_mma_gqa.txt
+
 profile-backward: setup
 	mkdir -p build data/raw/ncu
 	$(PROFILE) provenance --command "make profile-backward" > build/ncu_provenance.json

@@ -439,7 +439,8 @@ def test_chapter8_gqa_decoding_marks_one_wave_and_says_what_the_record_shows():
     assert thr["keys"]["x_read_once"] > one_row["x_read_once"]
     keys, mma, cudnn = (thr[i]["median_ms"] for i in ("keys", "mma", "sdpa_cudnn"))
     assert keys > cudnn and keys - mma > mma - cudnn, (keys, mma, cudnn)
-    # the profile cell: keys issues on most cycles with DRAM short of mma's, and far more instructions per key
+    # the profile cell (raw/ncu/ncu_decode_keys_gqa.txt, raw/ncu/ncu_decode_mma_gqa.txt): keys issues on most cycles
+    # with DRAM short of mma's, and far more instructions per key
     printed = run_cells(CH8, ["decode-ncu"], ns)
     got = {}
     for kernel in ("keys", "mma"):
