@@ -452,8 +452,10 @@ def test_chapter8_gqa_decoding_marks_one_wave_and_says_what_the_record_shows():
     assert got["keys"]["DRAM Throughput"] < got["mma"]["DRAM Throughput"]
     assert got["keys"]["Issued Instructions"] > 2.5 * got["mma"]["Issued Instructions"]
     text_ = text(cell_by_id(CH8, "decode-mma-text"))
-    assert "bound by **instruction issue**" in text_ and "close to a hundred warp instructions per key" in text_
-    assert 80 <= got["keys"]["Issued Instructions"] / (r0["kv_heads"] * r0["m"]) < 100
+    assert "held back mainly by **instruction issue**" in text_
+    per_key = got["keys"]["Issued Instructions"] / (r0["kv_heads"] * r0["m"])
+    assert f"Nsight Compute counts {per_key:.0f} warp instructions per key" in text_
+    assert got["mma"]["Compute (SM) Throughput"] < got["keys"]["Compute (SM) Throughput"]
     # the reading after the mma kernel's source
     reading = text(cell_by_id(CH8, "decode-mma-reading"))
     by = {(r["impl"], records.protocol_of(r)): r for r in rows}
@@ -470,6 +472,9 @@ def test_chapter8_gqa_decoding_marks_one_wave_and_says_what_the_record_shows():
         lat = {r["impl"]: r["median_ms"] for r in rec_rows if records.protocol_of(r) == "latency" and "median_ms" in r}
         assert abs(lat["mma"] / lat["sdpa"] - 1) < 0.05
     assert "DRAM is busier and the schedulers issue on fewer cycles" in reading
+    # "the default mma row and mma_split_66 are the same launch, yet they differ by more than [a few per cent]"
+    lat = {r["impl"]: r["median_ms"] for r in rows if records.protocol_of(r) == "latency"}
+    assert by["mma", "latency"]["num_splits"] == 66 and abs(lat["mma"] / lat["mma_split_66"] - 1) > 0.03
 
 
 # --- every timed table states its protocol and units -------------------------------------------------------------

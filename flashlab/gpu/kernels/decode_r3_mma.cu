@@ -1,19 +1,21 @@
 // Split-KV decoding, third version: the query rows of a GQA group as the rows of a tensor-core mma.
 //
-// What limits decode_r2_warp_keys.cu when a group has four or more rows (GQA 32/8 heads at n = 1: R = 4): every
-// key costs each row 8 FMAs of Q K and 8 of P V per lane, four xor-shuffles to add a dot product up over the 16 lanes
-// that hold the key, conversions of K and V to fp32, and the exponentials. Measured with Nsight Compute on an H200
+// What limits decode_r2_warp_keys.cu when a group has four or more rows (GQA 32/8 heads at n = 1: R = 4): at d = 128
+// a warp instruction covers two keys (16 lanes each), and per such pair each row costs a lane 8 FMAs of Q K and 8 of
+// P V, four xor-shuffles (and adds) to sum a dot product over the key's 16 lanes; then conversions of K and V to
+// fp32, the exponentials, masks, maxima and the rescaling. Measured with Nsight Compute on an H200
 // (4 rows, 8 K/V heads, 131072 keys; data/raw/ncu/ncu_decode_keys_gqa.txt): 89 warp instructions per key, the
-// schedulers issuing on 69 % of cycles and DRAM at 79 % of its peak -- the loop is bound by instruction issue, not
-// by memory.
+// schedulers issuing on 69 % of cycles and DRAM at 79 % of its peak -- the loop is held back mainly by instruction
+// issue: cutting the instructions (below) brought DRAM to 91 %.
 //
 // Here a warp scores 32 keys at once with mma.sync m16n8k16, as the forward kernels of chapter 7 do: the (up to) 16
 // query rows of a group are the 16 rows of the A operand (rows past the group are zeros, and the tensor cores do
 // that wasted work for free: the kernel is bound by memory, not by the tensor pipe), K's rows are the 8-key column
 // blocks of the B operand (ldmatrix), and P V takes P from S's accumulators in registers as in rung 3 and V by a
-// transposing ldmatrix. A 32-key tile is 64 mma, 32 ldmatrix and 16 exponentials a lane; with the copies' address
-// arithmetic, the masks and the rescaling, Nsight Compute counted 30 warp instructions per key (89 before): the
-// schedulers issue on 30 % of cycles and DRAM runs at 91 % of its peak (data/raw/ncu/ncu_decode_mma_gqa.txt).
+// transposing ldmatrix. At d = 128 a 32-key tile is 64 mma, 32 ldmatrix and 16 exponentials a lane (and 2 for the
+// rescaling); with the rest (the copies' address arithmetic, the masks), Nsight Compute counted 30 warp instructions
+// per key (89 before): the schedulers issue on 30 % of cycles and DRAM runs at 91 % of its peak
+// (data/raw/ncu/ncu_decode_mma_gqa.txt).
 //
 // One warp is one block, and it streams its split through a ring of STAGES tiles in shared memory with cp.async
 // (rung 5): STAGES - 1 tiles of K and V in flight while it computes on one, with no barrier but __syncwarp. At
