@@ -632,10 +632,15 @@ def _check_inputs(q, k, v, bf16: bool):
             )
         if q.shape[0] > 65535 or q.shape[1] > 65535:
             raise ValueError(f"batch and heads must each be at most 65535 (CUDA grid limit); got {q.shape[:2]}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
+    _check_contiguous({"q": q, "k": k, "v": v})
+    return dts.pop()
+
+
+def _check_contiguous(arrays: dict[str, Any]) -> None:
+    """Every kernel reads its arrays as dense rows: each must be C-contiguous."""
+    for name, x in arrays.items():
         if not x.flags.c_contiguous:
             raise ValueError(f"{name} must be C-contiguous (use cupy.ascontiguousarray); got strides {x.strides}")
-    return dts.pop()
 
 
 def _check_half_launch(what: str, dt: str, arrays: dict[str, Any]) -> None:

@@ -41,6 +41,7 @@ from . import (
     DeviceLimits,
     Plan,
     Workspace,
+    _check_contiguous,
     _check_half_launch,
     _check_inputs,
     _check_out,
@@ -76,6 +77,7 @@ MMA_THREADS = 32  # one warp per block
 MMA_MIN_CC = 80  # mma.sync m16n8k16 with bf16 inputs, cp.async
 MMA_BLOCKS_PER_SM = 4  # its 48 KB ring of static shared memory per block at d = 128, as on sm_90
 FILE_MIN_CC = {KERNEL_FILE: MIN_CC, KEYS_FILE: MIN_CC, MMA_FILE: MMA_MIN_CC}  # the oldest GPU each file builds for
+SPLIT_THREADS = {"mma": MMA_THREADS, "keys": THREADS, "rows": THREADS}  # threads per block of each split kernel
 
 
 @functools.lru_cache(maxsize=64)
@@ -84,12 +86,11 @@ def _decode_plan(d: int, kernel: str, lim: DeviceLimits) -> Plan:
         raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))} or 'best'; got {kernel!r}")
 
     def problem(name: str, *_) -> str | None:
-        if name == "mma":
-            return launch_problem("", min_cc=MMA_MIN_CC, shared_bytes=0, threads=MMA_THREADS, lim=lim)
-        return launch_problem("", min_cc=MIN_CC, shared_bytes=0, threads=THREADS, lim=lim)
+        return launch_problem("", min_cc=FILE_MIN_CC[FILES[name]], shared_bytes=0, threads=SPLIT_THREADS[name],
+                              lim=lim)
 
     name, file, passed = choose("decode", FILES, problem, kernel, lim)
-    return Plan("decode", name, file, 0, MMA_THREADS if name == "mma" else THREADS, lim, passed, file)
+    return Plan("decode", name, file, 0, SPLIT_THREADS[name], lim, passed, file)
 
 
 def plan_decode(q, k_cache, v_cache, *, kernel: str = "best", bf16: bool = False) -> Plan:
@@ -232,7 +233,7 @@ def default_splits_here(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], d: 
     Hk, m = kv_shape[1], kv_shape[2]
     rows = block_rows(kernel, H // Hk * n)
     resident = resident_blocks(_kernels(dt, d, kernel, rows)[0], built_blocks_per_sm(kernel, rows),
-                               MMA_THREADS if kernel == "mma" else THREADS)
+                               SPLIT_THREADS[kernel])
     return resolve_num_splits(B, H, Hk, n, m, None, sm_count(), kernel, resident)
 
 
@@ -278,6 +279,7 @@ class _Step:
     """A decoding step's two launches for one signature (shapes, dtypes, kernel and split count asked for, device),
     worked out once by ``_plan_step``; a later call with that signature checks its arrays' layout and launches."""
 
+    dt: str  # "f16" or "bf16"
     split: Any  # the split kernel, compiled and loaded
     merge: Any
     grid: tuple[int, int, int]
@@ -335,7 +337,7 @@ def _plan_step(q, k_cache, v_cache, bf16: bool, kernel: str, num_splits: int | N
     num_splits = int(num_splits)
     grid = (num_splits, Hk * chunks, B) if kernel == "rows" else (chunks, num_splits, B * Hk)
     dims = tuple(np.int32(x) for x in (n, m, H, Hk, split_length(m, num_splits)))
-    return _Step(split, merge, grid, MMA_THREADS if kernel == "mma" else THREADS, dims, np.int32(num_splits),
+    return _Step(dt, split, merge, grid, SPLIT_THREADS[kernel], dims, np.int32(num_splits),
                  ((B, H, n, num_splits, d), (B, H, n, num_splits)), (B * H * n,), d, B, m,
                  np.float32(check_scale(None, d)))
 
@@ -385,11 +387,9 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
                 steps.pop(next(iter(steps)))
             steps[key] = step
     else:  # what the signature does not fix: the arrays' layout and alignment
-        for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-            if not x.flags.c_contiguous:
-                raise ValueError(f"{name} must be C-contiguous (use cupy.ascontiguousarray); got strides {x.strides}")
-            if x.data.ptr % 16:
-                raise ValueError(f"{name} must start on a 16-byte boundary (the kernel loads 16 bytes at a time)")
+        arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+        _check_contiguous(arrays)
+        _check_half_launch("decode", step.dt, arrays)
     scale = step.scale if scale is None else np.float32(check_scale(scale, step.d))
     lens = NULL_POINTER if lengths is None else _lengths_array(lengths, step.batch, step.m)
     if workspace is None:

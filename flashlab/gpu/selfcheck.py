@@ -141,10 +141,9 @@ def backward_and_decode(quick: bool = False) -> int:
                                                     (3, 3, "keys", m - 5), (3, 3, "rows", None), (3, 3, "keys", None),
                                                     (2, 3, "keys", m - 5), (2, None, "keys", None),
                                                     (3, 1, "mma", m - 5), (3, 3, "mma", None), (2, None, "mma", None)):
-                    try:
-                        decoding._decode_plan(d, kernel, fgpu.device_limits())
-                    except ValueError as e:
-                        print(f"decode   {kernel:<4} {dt:<4} d={d:<4} skipped: {e}", flush=True)
+                    why = fgpu.cannot_run_here("decode", kernel, d=d)
+                    if why is not None:
+                        print(f"decode   {kernel:<4} {dt:<4} d={d:<4} skipped: {why}", flush=True)
                         continue
                     qd = dev[0][:, :, :tok].copy()
                     od, ld = fgpu.decode(qd, dev[1], dev[2], num_splits=splits, causal=causal, bf16=bf,
@@ -179,10 +178,9 @@ def decode_only() -> int:
     rng = np.random.default_rng(5)
     bad = 0
     for kernel in decoding.KERNELS:
-        try:
-            decoding._decode_plan(128, kernel, fgpu.device_limits())
-        except ValueError as e:
-            print(f"decode   {kernel:<4} skipped: {e}", flush=True)
+        why = fgpu.cannot_run_here("decode", kernel, d=128)
+        if why is not None:
+            print(f"decode   {kernel:<4} skipped: {why}", flush=True)
             continue
         for dt in ("f16", "bf16"):
             for B, H, Hk, n, m, d, causal, splits, lengths in DECODE_CASES:
