@@ -159,12 +159,17 @@ def backward_and_decode(quick: bool = False) -> int:
 
 
 # (batch, heads, K/V heads, new tokens, cache length, d, causal, splits, lengths): GQA at the benchmark's group size,
-# several tokens with ragged lengths, an empty cache, more rows than one mma holds (40 / 2 heads: 20 rows).
+# several tokens with ragged lengths, an empty cache, more rows than one mma holds (40 / 2 heads: 20 rows), and
+# split counts for both levels of the "mma" kernel's own merge (16 splits: one group; 17 and 70: several, some of
+# them empty under the ragged lengths).
 DECODE_CASES = (
     (1, 32, 8, 1, 5000, 128, False, None, None),
     (2, 16, 2, 3, 777, 64, True, 5, [777, 100]),
     (1, 6, 1, 3, 300, 128, True, 7, [0]),
     (1, 40, 2, 1, 2000, 128, False, 3, None),
+    (1, 8, 2, 2, 3000, 128, False, 16, None),
+    (2, 4, 4, 1, 4500, 64, True, 17, [4500, 600]),
+    (1, 8, 8, 1, 9000, 128, True, 70, [8000]),
 )
 
 
