@@ -187,6 +187,30 @@ __device__ __forceinline__ bool last_to_finish(int* counter, int of) {
     return last;
 }
 
+// The merge: by the last split of each group to finish, then by the last group. Not inlined: inlined, it changed
+// how ptxas allocated the registers of the main loop above (203 instead of 252), and the GQA step took 152 us
+// instead of 132 on an H200.
+template <class Ty, int D>
+__device__ __noinline__ void merge_splits(const float* __restrict__ opart, const float* __restrict__ lpart,
+                                          int split, int nsplit, size_t row_base, int nrows, u16* __restrict__ o,
+                                          float* __restrict__ lse, float* __restrict__ gopart,
+                                          float* __restrict__ glpart, int* __restrict__ counters) {
+    const int lane = threadIdx.x;
+    const int ngroups = (nsplit + GROUP - 1) / GROUP, grp = split / GROUP;
+    int* count = counters + ((size_t)blockIdx.z * gridDim.x + blockIdx.x) * (ngroups + 1);
+    if (!last_to_finish(count + grp, min(GROUP, nsplit - grp * GROUP))) return;
+    if (lane == 0) count[grp] = 0;  // every split of the group has counted: nobody else touches it this launch
+    if (ngroups == 1) {
+        merge_rows<Ty, D, true>(opart, lpart, nsplit, 0, nsplit, row_base, nrows, nullptr, nullptr, 0, 0, o, lse);
+        return;
+    }
+    merge_rows<Ty, D, false>(opart, lpart, nsplit, grp * GROUP, min(GROUP, nsplit - grp * GROUP), row_base, nrows,
+                             gopart, glpart, ngroups, grp, nullptr, nullptr);
+    if (!last_to_finish(count + ngroups, ngroups)) return;
+    if (lane == 0) count[ngroups] = 0;
+    merge_rows<Ty, D, true>(gopart, glpart, ngroups, 0, ngroups, row_base, nrows, nullptr, nullptr, 0, 0, o, lse);
+}
+
 template <class Ty, int D>
 __device__ void decode_mma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                            const int* __restrict__ lens, float* __restrict__ opart, float* __restrict__ lpart, int n,
@@ -341,20 +365,7 @@ __device__ void decode_mma(const u16* __restrict__ q, const u16* __restrict__ k,
         if (tg == 0) lpart[at] = l > 0.f ? (mx + log2f(l)) * LN2 : NEG_INF;
     }
 
-    // The merge: by the last split of each group to finish, then by the last group.
-    const int ngroups = (nsplit + GROUP - 1) / GROUP, grp = split / GROUP;
-    int* count = counters + ((size_t)blockIdx.z * gridDim.x + blockIdx.x) * (ngroups + 1);
-    if (!last_to_finish(count + grp, min(GROUP, nsplit - grp * GROUP))) return;
-    if (lane == 0) count[grp] = 0;  // every split of the group has counted: nobody else touches it this launch
-    if (ngroups == 1) {
-        merge_rows<Ty, D, true>(opart, lpart, nsplit, 0, nsplit, row_base, nrows, nullptr, nullptr, 0, 0, o, lse);
-        return;
-    }
-    merge_rows<Ty, D, false>(opart, lpart, nsplit, grp * GROUP, min(GROUP, nsplit - grp * GROUP), row_base, nrows,
-                             gopart, glpart, ngroups, grp, nullptr, nullptr);
-    if (!last_to_finish(count + ngroups, ngroups)) return;
-    if (lane == 0) count[ngroups] = 0;
-    merge_rows<Ty, D, true>(gopart, glpart, ngroups, 0, ngroups, row_base, nrows, nullptr, nullptr, 0, 0, o, lse);
+    merge_splits<Ty, D>(opart, lpart, split, nsplit, row_base, nrows, o, lse, gopart, glpart, counters);
 }
 
 #define DEFINE_KERNEL(DT, TY, D)                                                                                   \
