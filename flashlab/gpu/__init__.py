@@ -571,15 +571,6 @@ class Workspace:
         self._views[key] = view
         return view
 
-    def zeroed(self, name: str, shape: tuple[int, ...], dtype) -> Any:
-        """The buffer ``name`` as ``get`` gives it, filled with zeros when it is (re)allocated: for counters that
-        every kernel using them leaves at zero (decoding's fused merge), so no call has to clear them."""
-        fresh = name not in self._flat or self._flat[name].size < math.prod(shape) or self._flat[name].dtype != dtype
-        view = self.get(name, shape, dtype)
-        if fresh:
-            self._flat[name].fill(0)
-        return view
-
     @property
     def nbytes(self) -> int:
         """Bytes held on the GPU."""

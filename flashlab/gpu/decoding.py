@@ -71,10 +71,6 @@ KEYS_BLOCKS_PER_SM = {1: 5, 2: 4, 4: 4, 8: 2}  # the "keys" kernel, by query row
 FILES = {"mma": MMA_FILE, "keys": KEYS_FILE, "rows": KERNEL_FILE}
 THREADS = 128  # threads per block of the "keys" and "rows" split kernels
 MERGE_THREADS = 1024  # of the merge kernel (MT in decode_r1_split.cu)
-# The "mma" kernel merges its own splits (the last block of each group of MERGE_GROUP splits, then the last group:
-# GROUP in decode_r3_mma.cu); the others launch the merge kernel after them.
-MERGE_GROUP = 16
-FUSED_MERGE = ("mma",)
 MIN_CC = 75  # plain CUDA (bf16 stored by hand below sm_80); static shared memory only (< 48 KB)
 MMA_ROWS = 16  # query rows per block of the "mma" kernel: the rows of one mma.sync m16n8k16
 MMA_THREADS = 32  # one warp per block
@@ -292,8 +288,6 @@ class _Step:
     num_splits: Any  # np.int32, the merge kernel's last argument
     parts: tuple[tuple[int, ...], tuple[int, ...]]  # shapes of the partials o_parts and lse_parts
     merge_grid: tuple[int]
-    groups: tuple[tuple[int, ...], tuple[int, ...]] | None  # fused merge: shapes of the group partials (o, lse)
-    counters: int  # fused merge: its counters, one per group and one per chunk of rows
     d: int
     batch: int
     m: int
@@ -336,7 +330,6 @@ def _plan_step(q, k_cache, v_cache, bf16: bool, kernel: str, num_splits: int | N
     if kernel != "rows" and B * Hk > 65535:
         raise ValueError(f"batch x heads_kv must be at most 65535; got {B * Hk}")
     split, merge = _kernels(dt, d, kernel, rows)
-    fused = kernel in FUSED_MERGE
     if num_splits is None:
         num_splits = default_splits_here(q4.shape, k4.shape, d, kernel, dt)
     if not 1 <= num_splits <= 65535:
@@ -344,11 +337,9 @@ def _plan_step(q, k_cache, v_cache, bf16: bool, kernel: str, num_splits: int | N
     num_splits = int(num_splits)
     grid = (num_splits, Hk * chunks, B) if kernel == "rows" else (chunks, num_splits, B * Hk)
     dims = tuple(np.int32(x) for x in (n, m, H, Hk, split_length(m, num_splits)))
-    ngroups = math.ceil(num_splits / MERGE_GROUP)
-    return _Step(dt, split, None if fused else merge, grid, SPLIT_THREADS[kernel], dims, np.int32(num_splits),
-                 ((B, H, n, num_splits, d), (B, H, n, num_splits)), (B * H * n,),
-                 ((B, H, n, ngroups, d), (B, H, n, ngroups)) if fused else None,
-                 B * Hk * chunks * (ngroups + 1) if fused else 0, d, B, m, np.float32(check_scale(None, d)))
+    return _Step(dt, split, merge, grid, SPLIT_THREADS[kernel], dims, np.int32(num_splits),
+                 ((B, H, n, num_splits, d), (B, H, n, num_splits)), (B * H * n,), d, B, m,
+                 np.float32(check_scale(None, d)))
 
 
 def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Sequence[int] | None = None,
@@ -374,8 +365,7 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     ``out`` = (o, lse) writes into given arrays instead of allocating them; ``workspace`` (a
     ``flashlab.gpu.Workspace``) keeps the partials from call to call (partials returned from a call with a
     workspace are its buffers, overwritten by the next call). With both and the default ``lengths``, a decoding
-    step allocates nothing and launches one kernel ("mma", whose blocks merge their own splits) or two (the split
-    kernel, then the merge kernel).
+    step allocates nothing and launches two kernels.
     """
     cp = _cupy()
     if not isinstance(causal, (bool, np.bool_)):
@@ -416,20 +406,9 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
         _check_out("out[0]", o, q.shape, q.dtype)
         _check_out("out[1]", lse, q.shape[:-1], cp.float32)
     # (n, d) inputs are passed as they are: a (1, 1, n, d) view would be the same pointer
-    args = (q, k_cache, v_cache, lens, o_parts, lse_parts, *step.dims, scale, _CAUSAL[bool(causal)])
-    if step.merge is not None:
-        step.split(step.grid, (step.threads,), args)
-        step.merge(step.merge_grid, (MERGE_THREADS,), (o_parts, lse_parts, o, lse, step.num_splits))
-    else:  # the split kernel merges: group partials and counters, which it leaves at zero for the next call
-        if workspace is None:
-            o_groups = cp.empty(step.groups[0], dtype=cp.float32)
-            lse_groups = cp.empty(step.groups[1], dtype=cp.float32)
-            counters = cp.zeros(step.counters, dtype=cp.int32)
-        else:
-            o_groups = workspace.get("decode_o_groups", step.groups[0], cp.float32)
-            lse_groups = workspace.get("decode_lse_groups", step.groups[1], cp.float32)
-            counters = workspace.zeroed("decode_counters", (step.counters,), cp.int32)
-        step.split(step.grid, (step.threads,), (*args, o, lse, o_groups, lse_groups, counters))
+    step.split(step.grid, (step.threads,), (q, k_cache, v_cache, lens, o_parts, lse_parts, *step.dims, scale,
+                                             _CAUSAL[bool(causal)]))
+    step.merge(step.merge_grid, (MERGE_THREADS,), (o_parts, lse_parts, o, lse, step.num_splits))
     if return_partials:
         return o, lse, o_parts, lse_parts
     return o, lse

@@ -160,8 +160,7 @@ def backward_and_decode(quick: bool = False) -> int:
 
 # (batch, heads, K/V heads, new tokens, cache length, d, causal, splits, lengths): GQA at the benchmark's group size,
 # several tokens with ragged lengths, an empty cache, more rows than one mma holds (40 / 2 heads: 20 rows), and
-# split counts for both levels of the "mma" kernel's own merge (16 splits: one group; 17 and 70: several, some of
-# them empty under the ragged lengths).
+# more split counts for the merge (70 of them, some empty under the ragged lengths).
 DECODE_CASES = (
     (1, 32, 8, 1, 5000, 128, False, None, None),
     (2, 16, 2, 3, 777, 64, True, 5, [777, 100]),

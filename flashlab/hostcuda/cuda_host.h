@@ -63,8 +63,6 @@ inline float __saturatef(float x) { return x < 0.f ? 0.f : (x > 1.f ? 1.f : x); 
 inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
 template <class T>
 inline T __ldg(const T* p) { return *p; }
-template <class T>
-inline T __ldcg(const T* p) { return *p; }  // one memory: no L1 to bypass
 inline void __threadfence() {}
 constexpr int warpSize = 32;
 inline std::barrier<>* g_block_bar;
@@ -93,12 +91,6 @@ inline std::mutex g_atomic;
 inline float atomicAdd(float* p, float v) {
     std::lock_guard<std::mutex> g(g_atomic);
     float o = *p;
-    *p = o + v;
-    return o;
-}
-inline int atomicAdd(int* p, int v) {
-    std::lock_guard<std::mutex> g(g_atomic);
-    int o = *p;
     *p = o + v;
     return o;
 }

@@ -20,23 +20,11 @@
 // One warp is one block, and it streams its split through a ring of STAGES tiles in shared memory with cp.async
 // (rung 5): STAGES - 1 tiles of K and V in flight while it computes on one, with no barrier but __syncwarp. At
 // d = 128 the ring is 48 KB of static shared memory, so an SM holds 4 such blocks and 4 x 2 x 16 KB of loads are in
-// flight on it. The split's partial (o_s, lse_s) is written exactly as decode_r1_split.cu writes it.
+// flight on it. The split's partial (o_s, lse_s) is written exactly as decode_r1_split.cu writes it, and its merge
+// kernel (decode_merge_*) finishes the job.
 //
-// The merge is done by the split blocks themselves, not by a second kernel. decode_r1_split.cu's merge kernel took
-// 7.1 us after a 123 us split kernel (GQA 32/8 heads, 131072 keys, 66 splits), plus the gap between two launches;
-// and every block of the split kernel is done at about the same time, so the merge is all tail. Here the splits of
-// a chunk of query rows count themselves done on a counter in global memory (a fence makes a block's partial
-// visible before its count): the last of each group of GROUP splits merges the group's partials into one, and the
-// last group to finish merges the groups' into o and lse. Two levels rather than one, because a warp that merges
-// walks its rows one after another, a round trip to L2 for each: at 66 splits and 4 rows a single last block would
-// wait on 4 x 5 rounds of 16 loads, here on 2 x 4 rounds. Each merging block sets its counter back to 0, so the
-// counters stay zero from call to call and nothing has to clear them.
-//
-// Grid: (ceil(G * n / 16), num_splits, B * Hk) with G = H / Hk; block: 32 threads. Layout and the arguments up to
-// causal as decode_split_* in decode_r1_split.cu; then o (like q) and lse (B, H, n) fp32, the group partials
-// gopart (B, H, n, ngroups, D) and glpart (B, H, n, ngroups) fp32 with ngroups = ceil(num_splits / GROUP), and
-// counters: (B * Hk * ceil(G * n / 16)) x (ngroups + 1) int32, zero before the launch and zero after it. Needs
-// sm_80 (mma.sync m16n8k16 with bf16 inputs, cp.async).
+// Grid: (ceil(G * n / 16), num_splits, B * Hk) with G = H / Hk; block: 32 threads. Layout and arguments as
+// decode_split_* in decode_r1_split.cu. Needs sm_80 (mma.sync m16n8k16 with bf16 inputs, cp.async).
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 #define BK 32  // keys per tile (flashlab.gpu.decoding.BLOCK_KEYS: split lengths are whole tiles)
@@ -45,7 +33,6 @@
 #define LN2 0.6931471805599453f
 // Tiles of the ring: 3 x 16 KB at d = 128 is the 48 KB a block may have without asking for more.
 #define STAGES 3
-#define GROUP 16  // splits merged by the last block of a group (flashlab.gpu.decoding.MERGE_GROUP)
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -117,121 +104,10 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-    return x;
-}
-
-// Merge the partials [first, first + count) of the rows row_base .. row_base + nrows - 1, whose partials lie
-// `stride` to a row in (op, lp), with chapter 1's rule. FINAL: into o (Ty) and lse; else into slot `slot` of the
-// group partials (go, gl), `gstride` to a row. Lane l owns columns D/32 l .. D/32 (l + 1) - 1. A row takes its
-// partials GROUP at a time, every load of them issued before any is used: one round trip to L2 per GROUP partials
-// and row. (A first version guarded each load with `if (s < count)`; the branches kept ptxas from hoisting the loads,
-// so a row waited on one round trip per partial, and the merge added 18 us of tail to a GQA step on an H200.) Past
-// `count` the loads repeat the last partial and weigh 0; the running maximum is rescaled from chunk to chunk.
-template <class Ty, int D, bool FINAL>
-__device__ void merge_rows(const float* __restrict__ op, const float* __restrict__ lp, int stride, int first,
-                           int count, size_t row_base, int nrows, float* __restrict__ go, float* __restrict__ gl,
-                           int gstride, int slot, u16* __restrict__ o, float* __restrict__ lse) {
-    constexpr int C = D / 32;
-    const int lane = threadIdx.x;
-    for (int r = 0; r < nrows; ++r) {
-        const size_t row = row_base + r;
-        const float* l = lp + row * stride + first;
-        const float* p = op + (row * stride + first) * D + C * lane;
-        float mx = NEG_INF, wsum = 0.f, acc[C];
-#pragma unroll
-        for (int j = 0; j < C; ++j) acc[j] = 0.f;
-        for (int s0 = 0; s0 < count; s0 += GROUP) {
-            float lv[GROUP];
-            float2 xv[GROUP][C / 2];
-#pragma unroll
-            for (int i = 0; i < GROUP; ++i) {
-                const int s = min(s0 + i, count - 1);
-                lv[i] = __ldcg(l + s);
-#pragma unroll
-                for (int j = 0; j < C / 2; ++j) xv[i][j] = __ldcg((const float2*)(p + (size_t)s * D) + j);
-            }
-            float cmx = mx;
-#pragma unroll
-            for (int i = 0; i < GROUP; ++i) cmx = fmaxf(cmx, s0 + i < count ? lv[i] : NEG_INF);
-            const float ms = cmx == NEG_INF ? 0.f : cmx;  // nothing seen yet: weights exp(-inf) = 0, not nan
-            const float c = exp2f((mx - ms) * LOG2E);    // the sums so far, rescaled to the new maximum
-            wsum *= c;
-#pragma unroll
-            for (int j = 0; j < C; ++j) acc[j] *= c;
-#pragma unroll
-            for (int i = 0; i < GROUP; ++i) {
-                const float w = s0 + i < count ? exp2f((lv[i] - ms) * LOG2E) : 0.f;
-                wsum += w;
-#pragma unroll
-                for (int j = 0; j < C / 2; ++j) {
-                    acc[2 * j] = fmaf(w, xv[i][j].x, acc[2 * j]);
-                    acc[2 * j + 1] = fmaf(w, xv[i][j].y, acc[2 * j + 1]);
-                }
-            }
-            mx = cmx;
-        }
-        const float ms = mx == NEG_INF ? 0.f : mx;
-        const float inv = wsum > 0.f ? 1.f / wsum : 0.f, lrow = wsum > 0.f ? ms + logf(wsum) : NEG_INF;
-        if (FINAL) {
-#pragma unroll
-            for (int j = 0; j < C; j += 2)
-                *(u32*)(o + row * D + C * lane + j) = Ty::pack(acc[j] * inv, acc[j + 1] * inv);
-            if (lane == 0) lse[row] = lrow;
-        } else {
-            float* g = go + (row * gstride + slot) * D + C * lane;
-#pragma unroll
-            for (int j = 0; j < C; j += 2) *(float2*)(g + j) = make_float2(acc[j] * inv, acc[j + 1] * inv);
-            if (lane == 0) gl[row * gstride + slot] = lrow;
-        }
-    }
-}
-
-// Count this block done on `counter`; true in every lane of the block that is the `of`-th to finish. The fences
-// order this block's writes before its count and the last block's reads after it (the pattern of the CUDA
-// programming guide's last-block reduction). Lane 0's answer reaches the others by a warp maximum: a shared flag
-// would not fit beside the 48 KB ring.
-__device__ __forceinline__ bool last_to_finish(int* counter, int of) {
-    __threadfence();
-    __syncwarp();
-    const float mine = threadIdx.x == 0 && atomicAdd(counter, 1) == of - 1 ? 1.f : 0.f;
-    const bool last = warp_max(mine) > 0.f;
-    if (last) __threadfence();
-    return last;
-}
-
-// The merge: by the last split of each group to finish, then by the last group. Not inlined: inlined, it changed
-// how ptxas allocated the registers of the main loop above (203 instead of 252), and the GQA step took 152 us
-// instead of 132 on an H200.
-template <class Ty, int D>
-__device__ __noinline__ void merge_splits(const float* __restrict__ opart, const float* __restrict__ lpart,
-                                          int split, int nsplit, size_t row_base, int nrows, u16* __restrict__ o,
-                                          float* __restrict__ lse, float* __restrict__ gopart,
-                                          float* __restrict__ glpart, int* __restrict__ counters) {
-    const int lane = threadIdx.x;
-    const int ngroups = (nsplit + GROUP - 1) / GROUP, grp = split / GROUP;
-    int* count = counters + ((size_t)blockIdx.z * gridDim.x + blockIdx.x) * (ngroups + 1);
-    if (!last_to_finish(count + grp, min(GROUP, nsplit - grp * GROUP))) return;
-    if (lane == 0) count[grp] = 0;  // every split of the group has counted: nobody else touches it this launch
-    if (ngroups == 1) {
-        merge_rows<Ty, D, true>(opart, lpart, nsplit, 0, nsplit, row_base, nrows, nullptr, nullptr, 0, 0, o, lse);
-        return;
-    }
-    merge_rows<Ty, D, false>(opart, lpart, nsplit, grp * GROUP, min(GROUP, nsplit - grp * GROUP), row_base, nrows,
-                             gopart, glpart, ngroups, grp, nullptr, nullptr);
-    if (!last_to_finish(count + ngroups, ngroups)) return;
-    if (lane == 0) count[ngroups] = 0;
-    merge_rows<Ty, D, true>(gopart, glpart, ngroups, 0, ngroups, row_base, nrows, nullptr, nullptr, 0, 0, o, lse);
-}
-
 template <class Ty, int D>
 __device__ void decode_mma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                            const int* __restrict__ lens, float* __restrict__ opart, float* __restrict__ lpart, int n,
-                           int m, int H, int Hk, int split_len, float scale, int causal, u16* __restrict__ o,
-                           float* __restrict__ lse, float* __restrict__ gopart, float* __restrict__ glpart,
-                           int* __restrict__ counters) {
+                           int m, int H, int Hk, int split_len, float scale, int causal) {
     __shared__ __align__(128) u16 ks[STAGES][BK * D];
     __shared__ __align__(128) u16 vs[STAGES][BK * D];
 
@@ -379,17 +255,13 @@ __device__ void decode_mma(const u16* __restrict__ q, const u16* __restrict__ k,
             *(float2*)(op + nt * 8 + 2 * tg) = make_float2(oacc[nt][2 * h] * inv, oacc[nt][2 * h + 1] * inv);
         if (tg == 0) lpart[at] = l > 0.f ? (mx + log2f(l)) * LN2 : NEG_INF;
     }
-
-    merge_splits<Ty, D>(opart, lpart, split, nsplit, row_base, nrows, o, lse, gopart, glpart, counters);
 }
 
 #define DEFINE_KERNEL(DT, TY, D)                                                                                   \
     extern "C" __global__ void __launch_bounds__(32) decode_mma_##DT##_d##D(                                       \
         const u16* q, const u16* k, const u16* v, const int* lens, float* opart, float* lpart, int n, int m, int H, \
-        int Hk, int split_len, float scale, int causal, u16* o, float* lse, float* gopart, float* glpart,          \
-        int* counters) {                                                                                           \
-        decode_mma<TY, D>(q, k, v, lens, opart, lpart, n, m, H, Hk, split_len, scale, causal, o, lse, gopart,      \
-                          glpart, counters);                                                                       \
+        int Hk, int split_len, float scale, int causal) {                                                          \
+        decode_mma<TY, D>(q, k, v, lens, opart, lpart, n, m, H, Hk, split_len, scale, causal);                     \
     }
 
 DEFINE_KERNEL(f16, F16, 64)
