@@ -143,6 +143,36 @@ def test_block_sparse_call_builds_its_schedule_once_and_then_only_launches(stand
     assert all(x is orders[0] for x in orders)  # 5 query blocks x 2 heads, ranked once
 
 
+def test_window_call_is_planned_once_per_signature_and_still_checks_each_call(stand_in, monkeypatch):
+    """A repeated window call neither plans nor checks its window again (its launch is kept by signature), yet every
+    call still refuses a non-contiguous array and a wrong out=, and another window is planned afresh."""
+    cp, counts = stand_in.cp, stand_in.counts
+    q, k, v = (_half(cp, 1, 2, 640, 128) for _ in range(3))
+    planned = []
+    real_plan = fgpu._plan_sparse
+    monkeypatch.setattr(fgpu, "_plan_sparse", lambda *a: planned.append(a) or real_plan(*a))
+    for _ in range(3):
+        fgpu.attention(q, k, v, window=(256, 0))
+    assert len(planned) == 1
+    assert [name for name, _ in counts.launches] == ["attn_window_f16_d128"] * 3
+    with pytest.raises(ValueError, match="C-contiguous"):
+        fgpu.attention(q, k, hostemu._wrap(np.asfortranarray(np.asarray(v))), window=(256, 0))
+    with pytest.raises(ValueError, match="out"):
+        fgpu.attention(q, k, v, window=(256, 0), out=(_half(cp, 1, 2, 640, 64), hostemu._wrap(np.empty((1, 2, 640),
+                                                                                                   np.float32))))
+    assert len(planned) == 1
+    fgpu.attention(q, k, v, window=[256, 0])  # a list is the same window
+    fgpu.attention(q, k, v, window=(128, 0))
+    fgpu.attention(q, k, v, window=(256, 0), scale=0.1)
+    assert len(planned) == 3
+    for _ in range(2):  # bad input is never planned: it gets the full checks' error every time
+        with pytest.raises(ValueError, match="left must be >= 0"):
+            fgpu.attention(q, k, v, window=(-1, 0))
+    monkeypatch.setattr(fgpu, "_SPARSE_KEPT", 2)  # a bounded dictionary: the oldest plans are dropped
+    fgpu.attention(q, k, v, window=(64, 0))
+    assert len(fgpu._FUNCTIONS["sparse calls"]) == 2
+
+
 @pytest.mark.parametrize("preallocated", [False, True])
 def test_bench_host_times_the_window_call_when_asked(stand_in, preallocated):
     """``python -m flashlab bench host --window W``: an op row of its own, a call that launches the window kernel."""

@@ -577,6 +577,17 @@ class Workspace:
         return sum(int(b.nbytes) for b in self._flat.values())
 
 
+def _outputs(q, out):
+    """``attention``'s (o, lse): new arrays, or ``out``'s after checking them."""
+    cp = _cupy()
+    if out is None:
+        return cp.empty_like(q), cp.empty(q.shape[:-1], dtype=cp.float32)
+    o, lse = out
+    _check_out("out[0]", o, q.shape, q.dtype)
+    _check_out("out[1]", lse, q.shape[:-1], cp.float32)
+    return o, lse
+
+
 def _check_out(name: str, x, shape: tuple[int, ...], dtype) -> None:
     """An array given in ``out=`` must have exactly the shape and dtype the call would have allocated."""
     cp = _cupy()
@@ -990,9 +1001,26 @@ def _layout_kernel(block_mask, kernel):
 _NO_LIST: dict[int, Any] = {}  # device -> a one-element int32 array: the window kernel's unused list arguments
 
 
-def _sparse_attention(q, k, v, o, lse, dt: str, d: int, scale: float, causal: bool, kernel, window, dilation,
-                      block_mask) -> None:
-    """Launch the block-sparse kernel (``attention`` with ``window=`` or ``block_mask=``)."""
+@dataclasses.dataclass(frozen=True)
+class _SparseCall:
+    """A block-sparse launch worked out for one signature by ``_plan_sparse``: what a later call with that signature
+    (a window call: shapes, dtypes, window, dilation, scale, kernel asked for, device) only has to launch."""
+
+    kern: Any
+    grid: tuple[int, int, int]
+    threads: int
+    shared: int
+    tma: tuple | None  # (dt, d, file) when the kernel takes tensor maps of q, k and v in their place
+    tail: tuple  # the arguments after o and lse
+
+
+_SPARSE_KEPT = 256  # window signatures a process keeps planned
+
+
+def _plan_sparse(q, k, dt: str, d: int, scale: float, causal: bool, kernel, window, dilation,
+                 block_mask) -> _SparseCall:
+    """Every check of a block-sparse call (``attention`` with ``window=`` or ``block_mask=``), its plan, kernel,
+    grid and arguments."""
     cp = _cupy()
     B, H, n = (1, 1, q.shape[0]) if q.ndim == 2 else q.shape[:3]
     Hk, m = (1, k.shape[0]) if k.ndim == 2 else k.shape[1:3]
@@ -1036,15 +1064,24 @@ def _sparse_attention(q, k, v, o, lse, dt: str, d: int, scale: float, causal: bo
                 schedule = layout.orders[H * B] = cp.asarray(sparse_order(np.diff(layout.row_ptr.get()), H * B))
         fn = f"attn_blocks_{dt}_d{d}"
     kern = kernel_function(rung.file, fn, defines=rung.defines, shared_bytes=rung.shared_bytes(d))
-    grid, more = (math.ceil(n / rung.block_rows), H, B), ()
+    grid, more, tma = (math.ceil(n / rung.block_rows), H, B), (), None
     if hopper_file:  # tensor maps for q, k and v; a persistent grid, which takes the batch size last
         from . import hopper
 
-        (q, k, v), grid, more = hopper.launch_inputs(rung.file, q, k, v, dt, d, grid, device_limits().sm_count)
+        grid, more = hopper.launch_shape(rung.file, grid, device_limits().sm_count)
+        tma = (dt, d, rung.file) if rung.file in hopper.TMA_FILES else None
     # the sm_80 kernels take whether to run the query blocks last first; the Hopper kernel the order array
-    args = (q, k, v, o, lse, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk), np.float32(scale), np.int32(left),
-            np.int32(right), np.int32(stride), schedule if hopper_file else np.int32(schedule), *lists, *more)
-    kern(grid, (rung.threads,), args, shared_mem=rung.shared_bytes(d))
+    tail = (np.int32(n), np.int32(m), np.int32(H), np.int32(Hk), np.float32(scale), np.int32(left), np.int32(right),
+            np.int32(stride), schedule if hopper_file else np.int32(schedule), *lists, *more)
+    return _SparseCall(kern, grid, rung.threads, rung.shared_bytes(d), tma, tail)
+
+
+def _launch_sparse(call: _SparseCall, q, k, v, o, lse) -> None:
+    if call.tma is not None:
+        from . import hopper
+
+        q, k, v = hopper.tma_maps(q, k, v, *call.tma)
+    call.kern(call.grid, (call.threads,), (q, k, v, o, lse, *call.tail), shared_mem=call.shared)
 
 
 def plan(q, k, v, *, causal: bool = False, scale: float | None = None, kernel: str | Rung = "best",
@@ -1145,6 +1182,22 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kern
     cp = _cupy()
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be True or False; got {causal!r}")
+    key = calls = None
+    if (window is not None and block_mask is None and isinstance(kernel, str) and isinstance(q, cp.ndarray)
+            and isinstance(k, cp.ndarray) and isinstance(v, cp.ndarray) and isinstance(window, (tuple, list))):
+        # a window call planned before: check what its signature does not fix (the layout), then launch
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, bool(bf16), bool(causal), kernel, *window,
+               dilation, scale, _device_id(cp))
+        calls = _FUNCTIONS.setdefault("sparse calls", {})
+        try:
+            call = calls.get(key)
+        except TypeError:  # something unhashable where a number belongs: the full checks below say what
+            call = key = None
+        if call is not None:
+            _check_contiguous({"q": q, "k": k, "v": v})
+            o, lse = _outputs(q, out)
+            _launch_sparse(call, q, k, v, o, lse)
+            return o, lse
     dt = _check_inputs(q, k, v, bf16)
     d = q.shape[-1]
     scale = check_scale(scale, d)
@@ -1154,16 +1207,16 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kern
     rung = None if sparse else _forward_plan(dt, d, scale > 0, kernel, device_limits()).spec
     B, H, n = (1, 1, q.shape[0]) if q.ndim == 2 else q.shape[:3]
     Hk, m = (1, k.shape[0]) if k.ndim == 2 else k.shape[1:3]
-    if out is None:
-        o = cp.empty_like(q)
-        lse = cp.empty(q.shape[:-1], dtype=cp.float32)
-    else:
-        o, lse = out
-        _check_out("out[0]", o, q.shape, q.dtype)
-        _check_out("out[1]", lse, q.shape[:-1], cp.float32)
     if sparse:
-        _sparse_attention(q, k, v, o, lse, dt, d, scale, bool(causal), kernel, window, dilation, block_mask)
+        call = _plan_sparse(q, k, dt, d, scale, bool(causal), kernel, window, dilation, block_mask)
+        o, lse = _outputs(q, out)
+        _launch_sparse(call, q, k, v, o, lse)
+        if key is not None:
+            while len(calls) >= _SPARSE_KEPT:
+                calls.pop(next(iter(calls)))
+            calls[key] = call
         return o, lse
+    o, lse = _outputs(q, out)
 
     kern = get_kernel(rung, dt, d)
     grid = (math.ceil(n / rung.block_rows), H, B)
