@@ -149,7 +149,7 @@ def test_tensor_maps_are_built_once_per_array():
     assert first.dtype.itemsize == 128
 
 
-@pytest.mark.parametrize("rung", ["persistent", "balanced", "merged", "staged"])
+@pytest.mark.parametrize("rung", ["persistent", "balanced", "merged", "staged", "stream_k"])
 @pytest.mark.parametrize("blocks", [1, 2, 5, None])
 def test_persistent_rung_walks_several_tiles_per_block(rng, monkeypatch, blocks, rung):
     """The persistent rungs with fewer blocks than output tiles: each block walks several tiles, so the ring's
@@ -181,7 +181,39 @@ def test_persistent_grid_is_one_block_per_sm_at_most():
     assert hopper.persistent_grid((32, 16, 4), 132) == (132, 1, 1)
     assert hopper.persistent_grid((3, 2, 1), 132) == (6, 1, 1)
     assert hopper.persistent_grid((0, 2, 1), 132) == (1, 1, 1)
-    for file in hopper.PERSISTENT_FILES:
+    for file in hopper.PERSISTENT_FILES - hopper.STREAM_K_FILES:
         grid, more = hopper.launch_shape(file, (32, 16, 4), 132)
         assert grid == (132, 1, 1) and [int(x) for x in more] == [4]
+    for file in hopper.STREAM_K_FILES:  # and the workspace of 131 boundaries, from scratch=
+        with pytest.raises(ValueError, match="workspace"):
+            hopper.launch_shape(file, (32, 16, 4), 132)
+        grid, more = hopper.launch_shape(file, (32, 16, 4), 132, 128, lambda f, c: (f, c))
+        assert grid == (132, 1, 1) and [int(x) for x in more] == [4, 131 * 2 * 8 * 32 * 68, 131 * 8]
     assert hopper.launch_shape("hopper/h7_rescale_under_s.cu", (32, 16, 4), 132) == ((32, 16, 4), ())
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 3, 5, 7, None])
+def test_stream_k_rung_cuts_the_last_tiles_and_merges_the_pieces(rng, monkeypatch, blocks):
+    """Rung H12 without a mask: the tiles past the last whole round are shared out by key tiles, so tiles are cut in
+    two pieces computed by two blocks and merged by whichever finishes second. Shapes where the runs end inside a tile
+    (9 tiles of 6 key tiles on 2 blocks: tile 7 cut after its third key tile), GQA, ragged n and m, d 64 and 128; the
+    counters are back at zero after each call, so a second call gives the same bits."""
+    import cupy as cp
+    import test_gpu_attention as tga
+
+    from flashlab.gpu import hopper
+
+    monkeypatch.setattr(hopper, "PERSISTENT_BLOCKS", blocks)
+    for dt in ("f16", "bf16"):
+        for d in fgpu.HEAD_DIMS:
+            tga._check(rng, "stream_k", dt, 1, 3, 3, 300, 700, d, False)
+            tga._check(rng, "stream_k", dt, 2, 4, 2, 200, 333, d, False)
+            tga._check(rng, "stream_k", dt, 1, 2, 1, 129, 1000, d, False)
+    q = cp.asarray(rng.standard_normal((1, 3, 300, 128)), cp.float16)
+    k = cp.asarray(rng.standard_normal((1, 3, 700, 128)), cp.float16)
+    first = [x.copy() for x in fgpu.attention(q, k, k, kernel="stream_k")]
+    for ws, cnt in hopper._SCRATCH.values():
+        assert int((cnt != 0).sum()) == 0
+    again = fgpu.attention(q, k, k, kernel="stream_k")
+    for a, b in zip(first, again, strict=True):
+        assert bool((a == b).all())

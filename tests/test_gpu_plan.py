@@ -21,6 +21,7 @@ import pytest
 
 import flashlab.gpu as fgpu
 from flashlab.gpu import backward as gbwd
+from flashlab.gpu import hopper
 from flashlab.gpu import decoding
 
 DEVICES = list(fgpu.KNOWN_DEVICES.values())
@@ -226,7 +227,10 @@ def test_public_calls_launch_what_the_plan_says(gpu_like, lim):
         q1 = q[:, :, :1].copy()  # one new token
         p = fgpu.plan(q, k, v)
         assert p.device == fgpu.device_limits() == dataclasses.replace(lim, name="host emulation (no GPU)")
-        fgpu.attention(q, k, v)
+        fgpu.attention(q, k, v)  # without a mask a stream-K rung launches its kernel with that deal (_nomask)
+        nomask = "_nomask" if p.file in hopper.STREAM_K_FILES else ""
+        assert launches[-1] == (p.file, f"attn_fwd_f16_d{d}{nomask}", p.shared_bytes)
+        fgpu.attention(q, k, v, causal=True)
         assert launches[-1] == (p.file, f"attn_fwd_f16_d{d}", p.shared_bytes)
         assert fgpu.plan(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32)).kernel == "smem_tiles"
         pb = fgpu.plan_backward(q, k, v)

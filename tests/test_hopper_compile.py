@@ -4,6 +4,7 @@ No GPU needed; the GPU checks are tests/test_gpu_hopper.py."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -22,11 +23,12 @@ def test_every_hopper_file_is_known():
 
 def test_the_launchers_sets_follow_the_kernels_sources():
     """The sets the launcher derives from the order of the ladder (each rung keeps what the rungs before it added)
-    agree with what each file does: tensor maps where it calls tma_load_3d, the persistent launch (the batch size as
-    the last argument) where its kernels take it, the 384-thread register cap where its blocks have 384 threads."""
+    agree with what each file does: tensor maps where it calls tma_load_3d, the persistent launch (the batch size after the causal flag) where its kernels take it, a workspace and counters after
+    it where they cut tiles (stream-K), the 384-thread register cap where its blocks have 384 threads."""
     text = {f: (fgpu.KERNEL_DIR / f).read_text() for f in FILES}
     assert hopper.TMA_FILES == {f for f, t in text.items() if "tma_load_3d(" in t}
-    assert hopper.PERSISTENT_FILES == {f for f, t in text.items() if "int B) {" in t}
+    assert hopper.PERSISTENT_FILES == {f for f, t in text.items() if re.search(r"\bint B\b", t)}
+    assert hopper.STREAM_K_FILES == {f for f, t in text.items() if "int B, float* ws, int* cnt) {" in t}
     assert set(fgpu.REGISTER_CAPS) == {f for f, t in text.items() if "#define NTHREADS 384" in t}
     assert set(hopper.KEY_TILE_OF) == {f for f, t in text.items() if "#define BC 128" in t}
 
@@ -56,7 +58,10 @@ def test_compiles_for_sm90a_without_spills(file):
 def test_rungs_have_every_entry_point_and_no_compiler_inserted_waits(rung):
     r = fgpu.HOPPER_RUNGS[rung]
     names = {k["kernel"] for k in hopper.compile_report(r.file)}
-    assert names == {f"attn_fwd_{dt}_d{d}" for dt in r.dtypes for d in fgpu.HEAD_DIMS}
+    names_of = {f"attn_fwd_{dt}_d{d}" for dt in r.dtypes for d in fgpu.HEAD_DIMS}
+    if r.file in hopper.STREAM_K_FILES:  # and the kernels with the stream-K deal, for calls without a mask
+        names_of |= {f"{name}_nomask" for name in names_of}
+    assert names == names_of
     assert hopper.compiler_notes(r.file) == []
 
 

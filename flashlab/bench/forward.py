@@ -188,26 +188,37 @@ HOPPER_MERGED_PROBE = "benchmarks/hopper_merged"
 # The run that timed rung H11 beside H10, H2 and SDPA's backends: "best" takes H11 where ``fastest_rung`` over this
 # run prefers it to the rung chosen before it.
 HOPPER_STAGED_PROBE = "benchmarks/hopper_staged"
-# The rungs that came after HOPPER_PROBE's run, in ladder order, each with the run that timed it beside the rungs
+# The runs that timed rung H12 beside H11, H2 and SDPA's backends, twice: H11 first within each shape, then H12
+# first. A run times the implementations of a shape one after another, and on a GPU that heats up and lowers its clock
+# under a power cap the one timed first gains: H12's causal kernels are H11's code, yet each came out ahead in the
+# run that timed it first. "best" takes H12 where ``fastest_rung`` over both runs prefers it.
+HOPPER_STREAM_K_PROBES = ("benchmarks/hopper_stream_k", "benchmarks/hopper_stream_k_first")
+# The rungs that came after HOPPER_PROBE's run, in ladder order, each with the runs that timed it beside the rungs
 # "best" chose before it.
-HOPPER_LATER_PROBES = {"merged": HOPPER_MERGED_PROBE, "staged": HOPPER_STAGED_PROBE}
+HOPPER_LATER_PROBES = {"merged": (HOPPER_MERGED_PROBE,), "staged": (HOPPER_STAGED_PROBE,),
+                       "stream_k": HOPPER_STREAM_K_PROBES}
 # A later rung replaces an earlier one only if it is faster by more than this (geometric mean over a run's rows):
 # two rungs of one run closer than that swap places from run to run.
 TIE = 0.01
 
 
-def fastest_rung(rows: list[dict], d: int, order: list[str]) -> str:
+def fastest_rung(rows: list[dict], d: int, order: list[str], *more_runs: list[dict]) -> str:
     """The rung of ``order`` (earliest first) with the lowest geometric-mean time over the rows at head size ``d``
     that every rung of ``order`` has (every dtype, n, mask and protocol); a later rung must beat the choice so far
-    by more than ``TIE``."""
-    ms = {(r["impl"], dtype_of(r), records.protocol_of(r), r["n"], r["causal"]): r["median_ms"]
-          for r in rows if "error" not in r and r["d"] == d}
-    keys = set.intersection(*({k[1:] for k in ms if k[0] == name} for name in order))
-    if not keys:
-        raise ValueError(f"no row at d = {d} has every rung of {order}")
+    by more than ``TIE``. ``more_runs``: other runs of the same rungs (e.g. timed in another order), whose rows count
+    alike: the geometric mean runs over every run's rows."""
+    runs = []
+    for run in (rows, *more_runs):
+        ms = {(r["impl"], dtype_of(r), records.protocol_of(r), r["n"], r["causal"]): r["median_ms"]
+              for r in run if "error" not in r and r["d"] == d}
+        keys = set.intersection(*({k[1:] for k in ms if k[0] == name} for name in order))
+        if not keys:
+            raise ValueError(f"no row at d = {d} has every rung of {order}")
+        runs.append((ms, keys))
 
     def geomean(name: str) -> float:
-        return math.exp(sum(math.log(ms[(name, *k)]) for k in keys) / len(keys))
+        logs = [math.log(ms[(name, *k)]) for ms, keys in runs for k in keys]
+        return math.exp(sum(logs) / len(logs))
 
     best = order[0]
     for name in order[1:]:

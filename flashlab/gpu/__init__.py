@@ -177,6 +177,9 @@ HOPPER_RUNGS = {
     "staged": Rung("staged", "hopper/h11_staged_store.cu", 128, 384, ("f16", "bf16"), 90, _STAGED_SHARED,
                    "O stored through shared memory: stmatrix into a swizzled staging tile, then 16-byte stores of "
                    "whole rows instead of 4-byte ones (scale > 0)"),
+    "stream_k": Rung("stream_k", "hopper/h12_stream_k.cu", 128, 384, ("f16", "bf16"), 90, _STAGED_SHARED,
+                     "the last round shared out by key tiles (no mask): every block gets the same number of key "
+                     "tiles, a tile cut in two is merged by the warp that finishes second (scale > 0)"),
 }
 
 
@@ -215,9 +218,10 @@ BEST = {("f32", 64): "smem_tiles", ("f32", 128): "smem_tiles",
 # The fastest Hopper rung per (dtype, d), which "best" runs on sm_90 (compute capability 9.0) only: by
 # flashlab.bench.forward.fastest_rung over data/benchmarks/hopper.json (rungs H1-H9, rungs 11-12 and SDPA in one
 # run on an H200, fp16 and bf16, both protocols), then, for each later rung, between the choice so far and that rung
-# over the run that timed them side by side (flashlab.bench.forward.HOPPER_LATER_PROBES: H10 in hopper_merged.json,
-# H11 in hopper_staged.json): H11 at d = 128, H2 at d = 64 (three 128-thread blocks an SM).
-HOPPER_BEST = {("f16", 64): "tma", ("f16", 128): "staged", ("bf16", 64): "tma", ("bf16", 128): "staged"}
+# over the runs that timed them side by side (flashlab.bench.forward.HOPPER_LATER_PROBES: H10 in hopper_merged.json,
+# H11 in hopper_staged.json, H12 in hopper_stream_k.json and hopper_stream_k_first.json): H12 at d = 128, H2 at
+# d = 64 (three 128-thread blocks an SM).
+HOPPER_BEST = {("f16", 64): "tma", ("f16", 128): "stream_k", ("bf16", 64): "tma", ("bf16", 128): "stream_k"}
 # The fastest of the Hopper rungs that take any scale, by the same rule over the same run: "best" runs it where the
 # scale is not positive and HOPPER_BEST needs it to be (H6 keeps the maximum of the raw scores).
 HOPPER_ANY_SCALE = {64: "tma", 128: "three_stages"}
@@ -534,9 +538,12 @@ def kernel_function(file: str, name: str, *, defines: tuple[str, ...] = (), shar
     return kern
 
 
-def get_kernel(rung: Rung, dtype: str, d: int):
-    """The compiled kernel of ``rung`` for one dtype and head dimension, ready to launch."""
-    return kernel_function(rung.file, f"attn_fwd_{dtype}_d{d}", defines=rung.defines,
+def get_kernel(rung: Rung, dtype: str, d: int, nomask: bool = False):
+    """The compiled kernel of ``rung`` for one dtype and head dimension, ready to launch; ``nomask``: for a call
+    without a mask and with keys, the kernel a stream-K rung has for it (its ``attn_fwd_*_nomask``)."""
+    from .hopper import forward_entry
+
+    return kernel_function(rung.file, forward_entry(rung.file, dtype, d, nomask), defines=rung.defines,
                            shared_bytes=rung.shared_bytes(d))
 
 
@@ -1218,13 +1225,14 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, kern
         return o, lse
     o, lse = _outputs(q, out)
 
-    kern = get_kernel(rung, dt, d)
+    kern = get_kernel(rung, dt, d, not causal and m > 0)
     grid = (math.ceil(n / rung.block_rows), H, B)
     more = ()
     if rung.file.startswith("hopper/"):
         from . import hopper
 
-        (q, k, v), grid, more = hopper.launch_inputs(rung.file, q, k, v, dt, d, grid, device_limits().sm_count)
+        (q, k, v), grid, more = hopper.launch_inputs(rung.file, q, k, v, dt, d, grid, device_limits().sm_count,
+                                                     hopper.device_scratch(cp))
     args = (q, k, v, o, lse, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk), np.float32(scale),
             np.int32(bool(causal)), *more)
     kern(grid, (rung.threads,), args, shared_mem=rung.shared_bytes(d))

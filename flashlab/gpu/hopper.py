@@ -154,12 +154,13 @@ def emulated_attention(q, k, v, *, causal: bool = False, scale: float | None = N
     Hk, m = (1, k.shape[0]) if k.ndim == 2 else k.shape[1:3]
     if H % Hk:
         raise ValueError(f"k/v heads must divide q heads; got {Hk} and {H}")
-    name = f"attn_fwd_f16_d{d}"
+    name = forward_entry(spec.file, "f16", d, not causal and k.shape[-2] > 0)
     lib = hostcuda.library(hostcuda.host_source(inlined_source(spec.file)), (name,))
     o = np.full(q.shape, np.nan, np.float16)
     lse = np.full(q.shape[:-1], np.nan, np.float32)
     # a persistent kernel gets as many blocks as an H200 has SMs (or PERSISTENT_BLOCKS)
-    grid, more = launch_shape(spec.file, (-(-n // spec.block_rows), H, B), KNOWN_DEVICES["H200"].sm_count)
+    grid, more = launch_shape(spec.file, (-(-n // spec.block_rows), H, B), KNOWN_DEVICES["H200"].sm_count, d,
+                              lambda floats, counters: (np.zeros(floats, np.float32), np.zeros(counters, np.int32)))
     inputs = arrays
     if spec.file in TMA_FILES:  # the emulation's own tensor maps (host_tensor_map) over the NumPy arrays
         inputs = [np.frombuffer(host_tensor_map(x.ctypes.data, d, x.shape[-2], x.size // (d * x.shape[-2]), "f16",
@@ -182,6 +183,9 @@ QUERY_TILE = 64
 #: Persistent kernels: at most one block per SM, each walking the output tiles gridDim.x apart; they take the
 #: batch size as one more argument (the grid no longer carries it).
 PERSISTENT_FILES = hopper_files_from("persistent") | {HOPPER_SPARSE_FILE}  # H8 on, and the block-sparse kernel
+#: Rungs that share the tiles past the last whole round out by key tiles (stream-K, rung 12 on): after the batch size
+#: they take a workspace for the pieces of cut tiles and the counters of its boundaries (``stream_k_workspace``).
+STREAM_K_FILES = hopper_files_from("stream_k")
 #: At most this many persistent blocks (None: one per SM). The host emulation's tests lower it, so that a small
 #: problem still gives each block several tiles.
 PERSISTENT_BLOCKS: int | None = None
@@ -193,21 +197,83 @@ def persistent_grid(grid: tuple[int, int, int], sm_count: int) -> tuple[int, int
     return (max(1, min(grid[0] * grid[1] * grid[2], cap)), 1, 1)
 
 
-def launch_shape(file: str, grid: tuple[int, int, int], sm_count: int) -> tuple[tuple[int, int, int], tuple]:
+def forward_entry(file: str, dt: str, d: int, nomask: bool) -> str:
+    """The kernel of ``kernels/FILE`` a forward call launches: ``attn_fwd_{dt}_d{d}``, or for a call without a mask
+    and with keys (``nomask``) to a stream-K rung its ``_nomask`` kernel, the one with the stream-K deal."""
+    return f"attn_fwd_{dt}_d{d}" + ("_nomask" if nomask and file in STREAM_K_FILES else "")
+
+
+def stream_k_workspace(blocks: int, d: int) -> tuple[int, int]:
+    """Floats and counters a stream-K rung needs on ``blocks`` persistent blocks at head dimension ``d``: for each
+    boundary between two blocks' runs (blocks - 1 of them) two pieces of a cut tile, 8 consumer warps a piece, each
+    lane's D / 2 accumulators and its rows' sums and maxima; a counter per boundary and warp."""
+    boundaries = max(blocks - 1, 1)
+    return boundaries * 2 * 8 * 32 * (d // 2 + 4), boundaries * 8
+
+
+def stream_k_deal(tiles: int, key_tiles: int, blocks: int) -> list[list[tuple[int, int, int]]]:
+    """What each of ``blocks`` persistent blocks of a stream-K rung computes without a mask, as the kernel deals it
+    (``h12_stream_k.cu``): for each block its pieces in order, (output tile, first key tile, one past the last).
+    Every whole round but the last is dealt one tile a block; the tiles left (``blocks`` to 2 ``blocks`` - 1 of them)
+    are cut by key tiles into ``blocks`` runs of equal length (to one key tile), so a tile may be cut in two: its
+    first piece ends block k's run, its second starts block k + 1's."""
+    if not 0 < blocks <= tiles or key_tiles < 1:
+        raise ValueError(f"expected 0 < blocks <= tiles and key_tiles >= 1; got {blocks}, {tiles}, {key_tiles}")
+    whole = tiles // blocks - 1
+    deal = [[(j * blocks + k, 0, key_tiles) for j in range(whole)] for k in range(blocks)]
+    left = (tiles - whole * blocks) * key_tiles
+    for k in range(blocks):
+        run0, run1 = left * k // blocks, left * (k + 1) // blocks
+        for i in range(run0 // key_tiles, -(-run1 // key_tiles)):
+            a = i * key_tiles
+            deal[k].append((whole * blocks + i, max(run0 - a, 0), min(run1 - a, key_tiles)))
+    return deal
+
+
+def launch_shape(file: str, grid: tuple[int, int, int], sm_count: int, d: int = 128,
+                 scratch=None) -> tuple[tuple[int, int, int], tuple]:
     """The grid of ``kernels/FILE`` whose blocks would be ``grid`` (one per 128 query rows, head and batch entry),
-    and the arguments it takes after the common ones: a persistent kernel's grid and its batch size."""
+    and the arguments it takes after the common ones: a persistent kernel's grid and its batch size, and for a
+    stream-K rung its workspace and counters, from ``scratch(floats, counters)`` (float32 and int32 arrays, the
+    counters zero; the kernel leaves them at zero)."""
     if file in PERSISTENT_FILES:
-        return persistent_grid(grid, sm_count), (np.int32(grid[2]),)
+        blocks = persistent_grid(grid, sm_count)
+        if file in STREAM_K_FILES:
+            if scratch is None:
+                raise ValueError(f"{file} takes a workspace: pass scratch=")
+            return blocks, (np.int32(grid[2]), *scratch(*stream_k_workspace(blocks[0], d)))
+        return blocks, (np.int32(grid[2]),)
     return grid, ()
 
 
-def launch_inputs(file: str, q, k, v, dt: str, d: int, grid: tuple[int, int, int], sm_count: int):
+def launch_inputs(file: str, q, k, v, dt: str, d: int, grid: tuple[int, int, int], sm_count: int, scratch=None):
     """What a launcher passes the Hopper kernel of ``file`` (dense or block-sparse): q, k and v (their tensor maps
     where it reads by TMA), its grid, and the arguments it takes after the others (``launch_shape``)."""
     if file in TMA_FILES:
         q, k, v = tma_maps(q, k, v, dt, d, file)
-    grid, more = launch_shape(file, grid, sm_count)
+    grid, more = launch_shape(file, grid, sm_count, d, scratch)
     return (q, k, v), grid, more
+
+
+_SCRATCH: dict[tuple, tuple] = {}
+
+
+def device_scratch(cp):
+    """``scratch`` for ``launch_shape`` on the current device and stream: one workspace and one set of counters,
+    kept and grown as needed. Per stream, because two calls of a stream-K rung in flight at once on two streams
+    would count on the same counters; calls on one stream run one after another."""
+    from . import _device_id
+
+    key = (_device_id(cp), cp.cuda.get_current_stream().ptr)
+
+    def scratch(floats: int, counters: int):
+        ws, cnt = _SCRATCH.get(key, (None, None))
+        if ws is None or ws.size < floats or cnt.size < counters:
+            ws, cnt = cp.empty(floats, dtype=cp.float32), cp.zeros(counters, dtype=cp.int32)
+            _SCRATCH[key] = (ws, cnt)
+        return ws, cnt
+
+    return scratch
 
 
 PANEL = 64  # columns of one box: one 128-byte row of 16-bit elements, the span of the 128-byte swizzle

@@ -44,6 +44,7 @@ struct alignas(16) uint4 { unsigned x, y, z, w; };
 struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(8) float2 { float x, y; };
 inline float2 make_float2(float x, float y) { return float2{x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
@@ -94,6 +95,15 @@ inline float atomicAdd(float* p, float v) {
     *p = o + v;
     return o;
 }
+inline int atomicAdd(int* p, int v) {
+    std::lock_guard<std::mutex> g(g_atomic);
+    int o = *p;
+    *p = o + v;
+    return o;
+}
+// A load past this SM's L1 (ld.global.cg): memory is one here.
+template <class T>
+inline T __ldcg(const T* p) { return *p; }
 // fp16 conversions in integer arithmetic, rounding to nearest even as cvt.rn.f16.f32 does (g++ before 12 has no
 // _Float16 in C++ on x86).
 inline std::uint16_t f16_bits(float f) {

@@ -123,6 +123,7 @@ def fake_cupy() -> types.ModuleType:
     mod.get_default_memory_pool = _Pool
     mod.cuda = types.SimpleNamespace(
         Device=_Device, Event=_Event, get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3,
+        get_current_stream=lambda: types.SimpleNamespace(ptr=0),
         runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, runtimeGetVersion=lambda: 0,
                                       driverGetVersion=lambda: 0,
                                       getDeviceProperties=lambda i: {"name": b"host emulation (no GPU)"}))
