@@ -212,7 +212,7 @@ def test_stream_k_rung_cuts_the_last_tiles_and_merges_the_pieces(rng, monkeypatc
     q = cp.asarray(rng.standard_normal((1, 3, 300, 128)), cp.float16)
     k = cp.asarray(rng.standard_normal((1, 3, 700, 128)), cp.float16)
     first = [x.copy() for x in fgpu.attention(q, k, k, kernel="stream_k")]
-    for ws, cnt in hopper._SCRATCH.values():
+    for _ws, cnt in hopper._SCRATCH.values():
         assert int((cnt != 0).sum()) == 0
     again = fgpu.attention(q, k, k, kernel="stream_k")
     for a, b in zip(first, again, strict=True):

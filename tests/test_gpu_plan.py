@@ -21,8 +21,7 @@ import pytest
 
 import flashlab.gpu as fgpu
 from flashlab.gpu import backward as gbwd
-from flashlab.gpu import hopper
-from flashlab.gpu import decoding
+from flashlab.gpu import decoding, hopper
 
 DEVICES = list(fgpu.KNOWN_DEVICES.values())
 T4, A10, RTX4090, A100, H100 = (fgpu.KNOWN_DEVICES[n] for n in ("T4", "A10", "RTX 4090", "A100", "H100"))

@@ -4,6 +4,7 @@ No GPU needed; the GPU checks are tests/test_gpu_hopper.py."""
 
 from __future__ import annotations
 
+import pathlib
 import re
 import shutil
 
@@ -23,8 +24,9 @@ def test_every_hopper_file_is_known():
 
 def test_the_launchers_sets_follow_the_kernels_sources():
     """The sets the launcher derives from the order of the ladder (each rung keeps what the rungs before it added)
-    agree with what each file does: tensor maps where it calls tma_load_3d, the persistent launch (the batch size after the causal flag) where its kernels take it, a workspace and counters after
-    it where they cut tiles (stream-K), the 384-thread register cap where its blocks have 384 threads."""
+    agree with what each file does: tensor maps where it calls tma_load_3d, the persistent launch (the batch size as
+    an argument) where its kernels take it, a workspace and counters after it where they cut tiles (stream-K), the
+    384-thread register cap where its blocks have 384 threads."""
     text = {f: (fgpu.KERNEL_DIR / f).read_text() for f in FILES}
     assert hopper.TMA_FILES == {f for f, t in text.items() if "tma_load_3d(" in t}
     assert hopper.PERSISTENT_FILES == {f for f, t in text.items() if re.search(r"\bint B\b", t)}
@@ -63,6 +65,45 @@ def test_rungs_have_every_entry_point_and_no_compiler_inserted_waits(rung):
         names_of |= {f"{name}_nomask" for name in names_of}
     assert names == names_of
     assert hopper.compiler_notes(r.file) == []
+
+
+def _text_sections(cubin: bytes) -> dict[str, bytes]:
+    """The machine code of each kernel in an ELF cubin: its .text.NAME sections, read from the section headers."""
+    import struct
+
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    entsize, count, names_at = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * entsize) for i in range(count)]
+    strtab = headers[names_at][4]
+    out = {}
+    for h in headers:
+        name = cubin[strtab + h[0]:cubin.index(b"\0", strtab + h[0])].decode()
+        if name.startswith(".text."):
+            out[name[len(".text."):]] = cubin[h[4]:h[4] + h[5]]
+    return out
+
+
+@needs_nvcc
+def test_the_stream_k_rung_s_causal_kernels_are_rung_11_s_code(tmp_path):
+    """Chapter 11, section 15: H12's kernels for causal calls are H11's machine code but for a few instructions (10 of
+    3,528 at d = 128 with nvcc 13.0), at the same length: the chapter reads its causal rows as a control."""
+    import subprocess
+
+    code = {}
+    for f in ("hopper/h11_staged_store.cu", "hopper/h12_stream_k.cu"):
+        out = tmp_path / (pathlib.Path(f).stem + ".cubin")
+        subprocess.run([shutil.which("nvcc"), "-cubin", hopper.NVCC_ARCH, "--std=c++17", "-o", str(out),
+                        str(fgpu.KERNEL_DIR / f)], check=True, capture_output=True, timeout=300)
+        code[f] = _text_sections(out.read_bytes())
+    h11, h12 = code.values()
+    release = subprocess.run([shutil.which("nvcc"), "--version"], capture_output=True, text=True).stdout
+    assert set(h12) == set(h11) | {f"{name}_nomask" for name in h11}
+    for name in h11:
+        assert len(h12[name]) == len(h11[name]), name
+        differ = sum(h11[name][i:i + 16] != h12[name][i:i + 16] for i in range(0, len(h11[name]), 16))
+        if name == "attn_fwd_f16_d128" and "release 13.0," in release:  # the compiler the chapter's count is of
+            assert (differ, len(h11[name]) // 16) == (10, 3528)
+        assert differ <= 16, (name, differ)
 
 
 def _nvrtc_available() -> bool:
