@@ -264,9 +264,8 @@ def device_scratch(cp):
     would count on the same counters; calls on one stream run one after another."""
     from . import _device_id
 
-    key = (_device_id(cp), cp.cuda.get_current_stream().ptr)
-
-    def scratch(floats: int, counters: int):
+    def scratch(floats: int, counters: int):  # asked only by a stream-K rung's launch
+        key = (_device_id(cp), cp.cuda.get_current_stream().ptr)
         ws, cnt = _SCRATCH.get(key, (None, None))
         if ws is None or ws.size < floats or cnt.size < counters:
             ws, cnt = cp.empty(floats, dtype=cp.float32), cp.zeros(counters, dtype=cp.int32)
