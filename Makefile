@@ -10,7 +10,7 @@ PRESENT_STAMP := $(VENV)/.installed-present-stamp
 
 .PHONY: setup dev lab test test-gpu html slides present release grade lint clean \
         bench-forward bench-ablate bench-peak bench-hopper bench-backward bench-decode bench-memory bench-train bench-ring bench-sparse bench-cpu \
-        profile profile-occupancy profile-backward profile-decode sanitize
+        profile profile-occupancy profile-backward profile-decode profile-stream-k sanitize
 
 setup: $(STAMP)
 
@@ -190,6 +190,15 @@ sm__warps_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum
 DECODE_SECTIONS := --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
     --section MemoryWorkloadAnalysis --section InstructionStats --section LaunchStats
 DECODE_SHAPE := --pass decode --d 128 --n 1 --batch 1 --heads 32 --kv-heads 8 --m 131072
+
+# Rung H12 beside H11 without a mask (d = 128, n = 4096, batch 4, 2048 tiles on 132 SMs): the spread of the SMs'
+# active cycles is the last round's tail (docs/kernels.md, the Hopper rungs).
+TAIL := --metrics sm__cycles_active.avg,sm__cycles_active.max,sm__cycles_active.min,sm__cycles_elapsed.max,$\
+gpu__time_duration.sum
+profile-stream-k: setup
+	mkdir -p data/raw/ncu
+	for impl in staged stream_k; do ncu --profile-from-start off --clock-control none --csv $(TAIL) \
+	    $(PROFILE) --impl $$impl --d 128 --n 4096 --batch 4; done > data/raw/ncu/ncu_stream_k_tail.csv 2>&1
 
 profile-decode: setup
 	mkdir -p data/raw/ncu

@@ -585,3 +585,20 @@ def test_chapter_11_statements_on_rung_h12_hold_in_its_two_runs():
             assert all(x >= 0.9 for x in h12)  # "16 of 16"
     assert f"(H11: {h11_counts[0]} and {h11_counts[1]} of 16)" in text
     assert len(first_below) == 1 and first_below[0][3] is True and first_below[0][4] == "latency", first_below
+
+
+def test_docs_read_the_stream_k_tail_from_its_profile():
+    """docs/kernels.md's reading of data/raw/ncu/ncu_stream_k_tail.csv: the busiest SM's active cycles over the
+    average SM's, and the kernel's time, for H11 and H12 (ncu's CSV: one row per kernel and metric)."""
+    import csv
+
+    rows = [r for r in csv.reader((records.ROOT / "data/raw/ncu/ncu_stream_k_tail.csv").read_text().splitlines())
+            if len(r) == 15 and r[0] != "ID"]
+    metric = {(r[4], r[12]): float(r[14].replace(",", "")) for r in rows}
+    h11, h12 = "attn_fwd_f16_d128", "attn_fwd_f16_d128_nomask"  # H12 without a mask launches its _nomask kernel
+    spread = {k: metric[(k, "sm__cycles_active.max")] / metric[(k, "sm__cycles_active.avg")] for k in (h11, h12)}
+    us = {k: metric[(k, "gpu__time_duration.sum")] / 1e3 for k in (h11, h12)}
+    text = " ".join((records.ROOT / "docs" / "kernels.md").read_text().split())
+    assert (f"the busiest SM was active {spread[h11]:.3f}× the average SM's cycles under H11 (16 tiles against 15.5) "
+            f"and {spread[h12]:.3f}× under H12, and the kernel took {us[h12]:.0f} µs against {us[h11]:.0f}") in text
+    assert abs(spread[h11] - 16 / 15.5) < 0.005 and spread[h12] < 1.01
