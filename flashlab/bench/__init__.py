@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import pathlib
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 
@@ -79,9 +80,14 @@ def add_dtypes(p: argparse.ArgumentParser) -> None:
 
 
 def add_protocols(p: argparse.ArgumentParser) -> None:
-    """--protocols: the timing protocols each row is timed under (:data:`flashlab.records.PROTOCOLS`)."""
+    """--protocols: the timing protocols each row is timed under (:data:`flashlab.records.PROTOCOLS`); --rounds:
+    how many times each shape's implementations are timed, in the given order, then reversed, and so on."""
     p.add_argument("--protocols", nargs="+", choices=records.PROTOCOLS, default=list(records.PROTOCOLS),
                    help="throughput: calls back to back; latency: each call, then synchronize (default: both)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time each shape's implementations this many times, every other round in reverse order, "
+                        "the median over all rounds' calls (a GPU that heats up favours the one timed first; "
+                        "2 evens that out; default 1)")
 
 
 def training_kernel_hashes() -> dict:
@@ -157,7 +163,9 @@ def run_grid(args: argparse.Namespace, rows: list[dict], *, pass_name: str, inpu
 
     ``impl(name, arrays, causal)`` returns (event kind, the timed call, a call that poisons or allocates its
     outputs, runs once and returns them as float32). Differences are taken against the first of ``references``
-    that runs, else against the first implementation timed.
+    that runs, else against the first implementation timed. With ``args.rounds`` > 1 the implementations of a shape
+    are timed again after the first round, in reverse order every other round, and a row's median is over the
+    calls of every round (its ``rounds`` field says how many).
     """
     import cupy as cp
 
@@ -178,6 +186,8 @@ def run_grid(args: argparse.Namespace, rows: list[dict], *, pass_name: str, inpu
                     break
                 except Exception:  # noqa: BLE001 - e.g. naive attention out of memory at large n
                     pool.free_all_blocks()
+            rounds = max(1, getattr(args, "rounds", 1))
+            timed = {}  # name -> (base, kind, fn, times, err, extra), in the order of args.impls
             for name in args.impls:
                 if skip(name, n):
                     continue
@@ -196,20 +206,32 @@ def run_grid(args: argparse.Namespace, rows: list[dict], *, pass_name: str, inpu
                     else:
                         err = max_diff(out, ref)
                     del out
-                    times = {p: records.median_ms(fn, args.repeat, args.warmup, kind=kind, protocol=p)
+                    times = {p: records.cuda_times(fn, args.repeat, args.warmup, kind=kind, protocol=p)
                              for p in args.protocols}
                 except Exception as e:  # noqa: BLE001 - e.g. out of memory: recorded, the table goes on
                     rows.append(failed_row(base, e))
                     pool.free_all_blocks()
                     continue
-                pool.free_all_blocks()
+                # one round: nothing kept of the call (its outputs freed before the next implementation runs)
+                timed[name] = (base, kind, fn if rounds > 1 else None, times, err, extra)
+                del fn
+                if rounds == 1:
+                    pool.free_all_blocks()
+            for r in range(1, rounds):  # the later rounds, every other one in reverse order
+                for name in (list(timed)[::-1] if r % 2 else list(timed)):
+                    _, kind, fn, times, _, _ = timed[name]
+                    for p in args.protocols:
+                        times[p] += records.cuda_times(fn, args.repeat, args.warmup, kind=kind, protocol=p)
+            for name, (base, _, _, times, err, extra) in timed.items():
                 f = flop(n, d, batch, args.heads, causal)
-                for protocol, ms in times.items():
-                    rows.append(timed_row({**base, "protocol": protocol}, ms, f, args.repeat, err, ref_name,
-                                          extra))
+                for protocol, samples in times.items():
+                    ms = statistics.median(samples)
+                    row = timed_row({**base, "protocol": protocol}, ms, f, args.repeat, err, ref_name, extra)
+                    rows.append({**row, "rounds": rounds} if rounds > 1 else row)
                     print(f"  {name:<12} {dtype:<8} d={d:<4} n={n:<6} causal={causal!s:<5} {protocol:<10} "
                           f"{ms:9.3f} ms {rows[-1]['tflops']:8.2f} TFLOP/s  max|diff vs {ref_name}|={err}  "
                           f"+{extra / 1e6:.0f} MB", flush=True)
+            timed.clear()
             del arrays, ref
             pool.free_all_blocks()
 

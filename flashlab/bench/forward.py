@@ -188,11 +188,13 @@ HOPPER_MERGED_PROBE = "benchmarks/hopper_merged"
 # The run that timed rung H11 beside H10, H2 and SDPA's backends: "best" takes H11 where ``fastest_rung`` over this
 # run prefers it to the rung chosen before it.
 HOPPER_STAGED_PROBE = "benchmarks/hopper_staged"
-# The runs that timed rung H12 beside H11, H2 and SDPA's backends, twice: H11 first within each shape, then H12
-# first. A run times the implementations of a shape one after another, and on a GPU that heats up and lowers its clock
-# under a power cap the one timed first gains: H12's causal kernels are H11's code, yet each came out ahead in the
-# run that timed it first. "best" takes H12 where ``fastest_rung`` over both runs prefers it.
-HOPPER_STREAM_K_PROBES = ("benchmarks/hopper_stream_k", "benchmarks/hopper_stream_k_first")
+# The runs that timed rung H12 beside H11, H2 and SDPA's backends: H11 first within each shape, then H12 first, then
+# both orders in one run (--rounds 2). A run times the implementations of a shape one after another, and on a GPU
+# that heats up and lowers its clock under a power cap the one timed first gains: H12's causal kernels are H11's
+# code, yet each came out ahead in the run that timed it first. "best" takes H12 where ``fastest_rung`` over the
+# three runs prefers it.
+HOPPER_STREAM_K_PROBES = ("benchmarks/hopper_stream_k", "benchmarks/hopper_stream_k_first",
+                          "benchmarks/hopper_stream_k_rounds")
 # The rungs that came after HOPPER_PROBE's run, in ladder order, each with the runs that timed it beside the rungs
 # "best" chose before it.
 HOPPER_LATER_PROBES = {"merged": (HOPPER_MERGED_PROBE,), "staged": (HOPPER_STAGED_PROBE,),

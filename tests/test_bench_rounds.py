@@ -1,0 +1,73 @@
+"""``--rounds`` of the forward and backward benchmarks (flashlab.bench.run_grid): a shape's implementations timed
+again in reverse order, every row's median over the calls of every round. Run on the CPU with tools/hostemu's
+NumPy stand-in for CuPy, with stand-in implementations that log their calls."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+_HOSTEMU = pathlib.Path(__file__).resolve().parents[1] / "tools" / "hostemu" / "hostemu.py"
+_spec = importlib.util.spec_from_file_location("hostemu_rounds", _HOSTEMU)
+hostemu = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hostemu)
+
+
+def _run(monkeypatch, rounds: int, impls=("a", "b", "c"), broken=()):
+    monkeypatch.setitem(sys.modules, "cupy", hostemu.fake_cupy())
+    from flashlab import bench
+
+    calls: list[str] = []
+
+    def impl(name, arrays, causal):
+        if name in broken:
+            raise RuntimeError(f"{name} cannot run here")
+
+        def fn():
+            calls.append(name)
+
+        return "cupy", fn, lambda: hostemu._wrap(np.zeros(4, np.float32))
+
+    args = argparse.Namespace(dtypes=["float16"], d=[64], n=[128, 256], batch=1, tokens=256, heads=1, causal="no",
+                              impls=list(impls), repeat=3, warmup=1, protocols=["throughput", "latency"],
+                              rounds=rounds)
+    rows: list[dict] = []
+    bench.run_grid(args, rows, pass_name="fwd", inputs=1, impl=impl, flop=lambda *a: 1.0)
+    return rows, calls
+
+
+def _runs(calls: list[str]) -> list[str]:
+    """The names in the order their runs of calls came (a name called many times in a row counts once)."""
+    return [c for i, c in enumerate(calls) if i == 0 or calls[i - 1] != c]
+
+
+def test_two_rounds_time_each_shape_in_order_then_in_reverse(monkeypatch):
+    rows, calls = _run(monkeypatch, 2)
+    # per shape a, b, c, then c, b, a again (c's two rounds run into each other, and so do the shapes' a's)
+    assert _runs(calls) == ["a", "b", "c", "b", "a", "b", "c", "b", "a"]
+    assert len(calls) == 2 * 3 * 2 * 2 * (1 + 3)  # shapes x impls x rounds x protocols x (warmup + repeat)
+    assert [r["impl"] for r in rows] == ["a", "a", "b", "b", "c", "c"] * 2 and all(r["rounds"] == 2 for r in rows)
+
+
+def test_one_round_is_the_protocol_the_records_were_made_with(monkeypatch):
+    rows, calls = _run(monkeypatch, 1)
+    assert _runs(calls) == ["a", "b", "c"] * 2
+    assert all("rounds" not in r for r in rows) and len(rows) == 12
+
+
+def test_an_implementation_that_fails_is_recorded_and_left_out_of_later_rounds(monkeypatch):
+    rows, calls = _run(monkeypatch, 3, broken=("b",))
+    assert "b" not in calls and [r["impl"] for r in rows if "error" in r] == ["b", "b"]
+    assert _runs(calls) == ["a", "c", "a", "c"] * 2  # per shape a, c; c, a; a, c
+    assert len(calls) == 2 * 2 * 3 * 2 * (1 + 3) and all(r["rounds"] == 3 for r in rows if "error" not in r)
+
+
+@pytest.mark.parametrize("rounds", [0, -1])
+def test_rounds_below_one_mean_one(monkeypatch, rounds):
+    rows, calls = _run(monkeypatch, rounds)
+    assert _runs(calls) == ["a", "b", "c"] * 2
