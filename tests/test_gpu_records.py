@@ -579,7 +579,7 @@ def test_chapter_11_statements_on_rung_h12_hold_in_its_three_runs():
     assert forward.fastest_rung(rows[0], 64, ["tma", "stream_k"], *rows[1:]) == "tma"
     at64 = [x for i in range(3) for x in _speedups(times[i], "stream_k", "tma", d=64)]
     assert f"(H12 at {gm(at64)} of H2)" in text
-    h11_counts, below = [], []
+    h11_counts, below = [], {}
     for i, words in ((0, "in the run that timed H11 first, "), (1, "in the run that timed H12 first, "),
                      (2, "in the run of both orders, ")):
         long = [s for s in {k[1:] for k in times[i]} if s[1] == 128 and s[2] >= 4096]
@@ -587,10 +587,10 @@ def test_chapter_11_statements_on_rung_h12_hold_in_its_three_runs():
         h11 = [times[i][("sdpa_cudnn", *s)] / times[i][("staged", *s)] for s in long]
         assert f"{_span(h12)[:-1]}x {words}{sum(x >= 0.9 for x in h12)} of 16" in text, (i, _span(h12))
         h11_counts.append(sum(x >= 0.9 for x in h11))
-        below += [s for s, x in zip(long, h12, strict=True) if x < 0.9]
+        below[i] = (sum(x < 0.9 for x in h12), sum(x < 0.9 for x in h11))
     assert f"(H11 in the same runs: {h11_counts[0]}, {h11_counts[1]} and {h11_counts[2]} of 16)" in text
-    # "The one row below 0.9x (bf16, n = 4096, causal, latency)"
-    assert below == [("bfloat16", 128, 4096, True, "latency")], below
+    # "In each single-order run the rung timed second has the most rows below 0.9x"; "for H12 and for H11 alike"
+    assert below[0][0] > below[0][1] and below[1][1] > below[1][0] and below[2] == (0, 0), below
     ceiling = bench_peak.ceiling(records.read_record("benchmarks/peak_hopper")["rows"], "bfloat16",
                                  "wgmma_m64n256k16")
     top = max(r["tflops"] for r in rows[2] if r["impl"] == "stream_k" and r["d"] == 128 and r["dtype"] == "bfloat16")

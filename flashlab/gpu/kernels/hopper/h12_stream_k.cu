@@ -327,6 +327,9 @@ __device__ void attn_stream_k(const TensorMap* qmap, const TensorMap* kmap, cons
         int before = 0;
         if (lane == 0) before = atomicAdd(cnt + 8 * t.bnd + wi, 1);
         if (!__any_sync(0xffffffffu, lane == 0 && before == 1)) return;  // the other piece is still being computed
+        // Lane 0 saw the count; __syncwarp orders that for every lane of the warp (a vote does not promise memory
+        // order), and the fence orders this lane's reads of the other piece after it.
+        __syncwarp();
         __threadfence();
         // Each term rounded on its own, then one addition (no FMA: the compiler would fuse one term into it): IEEE
         // addition commutes, so the merged rows have the same bits whichever block happened to finish second.
