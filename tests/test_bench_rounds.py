@@ -71,3 +71,15 @@ def test_an_implementation_that_fails_is_recorded_and_left_out_of_later_rounds(m
 def test_rounds_below_one_mean_one(monkeypatch, rounds):
     rows, calls = _run(monkeypatch, rounds)
     assert _runs(calls) == ["a", "b", "c"] * 2
+
+
+def test_only_the_benchmarks_that_time_through_run_grid_take_rounds():
+    """--rounds is honoured by bench forward and backward (run_grid); the other benchmarks refuse it rather than
+    ignore it."""
+    from flashlab.bench import backward, decode, forward, sparse
+
+    for mod in (forward, backward):
+        assert mod.parser().parse_args(["--rounds", "2"]).rounds == 2
+    for mod in (decode, sparse):
+        with pytest.raises(SystemExit):
+            mod.parser().parse_args(["--rounds", "2"])

@@ -80,10 +80,14 @@ def add_dtypes(p: argparse.ArgumentParser) -> None:
 
 
 def add_protocols(p: argparse.ArgumentParser) -> None:
-    """--protocols: the timing protocols each row is timed under (:data:`flashlab.records.PROTOCOLS`); --rounds:
-    how many times each shape's implementations are timed, in the given order, then reversed, and so on."""
+    """--protocols: the timing protocols each row is timed under (:data:`flashlab.records.PROTOCOLS`)."""
     p.add_argument("--protocols", nargs="+", choices=records.PROTOCOLS, default=list(records.PROTOCOLS),
                    help="throughput: calls back to back; latency: each call, then synchronize (default: both)")
+
+
+def add_rounds(p: argparse.ArgumentParser) -> None:
+    """--rounds, for the benchmarks that time through :func:`run_grid`: how many times each shape's implementations
+    are timed, in the given order, then reversed, and so on."""
     p.add_argument("--rounds", type=int, default=1,
                    help="time each shape's implementations this many times, every other round in reverse order, "
                         "the median over all rounds' calls (a GPU that heats up favours the one timed first; "

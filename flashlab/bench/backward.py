@@ -19,6 +19,7 @@ from ..gpu import backward
 from . import (
     add_dtypes,
     add_protocols,
+    add_rounds,
     error_line,
     gpu_main,
     median_times,
@@ -136,6 +137,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None, help="fixed batch size (overrides --tokens)")
     add_dtypes(p)
     add_protocols(p)
+    add_rounds(p)
     return p
 
 

@@ -18,7 +18,7 @@ import sys
 import numpy as np
 
 from .. import records
-from . import add_dtypes, add_protocols, gpu_main, record_parser, run_grid, without_torch
+from . import add_dtypes, add_protocols, add_rounds, gpu_main, record_parser, run_grid, without_torch
 
 REFERENCES = ("cupy_naive", "sdpa_flash", "sdpa_cudnn")
 OUT_DIR = records.DATA_DIR / "benchmarks"
@@ -48,6 +48,7 @@ def parser() -> argparse.ArgumentParser:
                    help=f"time the slow rungs {SLOW_RUNGS} only up to this n (they take seconds per call)")
     add_dtypes(p)
     add_protocols(p)
+    add_rounds(p)
     return p
 
 
