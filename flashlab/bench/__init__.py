@@ -177,6 +177,7 @@ def run_grid(args: argparse.Namespace, rows: list[dict], *, pass_name: str, inpu
 
     rng = cp.random.default_rng(0)
     pool = cp.get_default_memory_pool()
+    rounds = max(1, getattr(args, "rounds", 1))
     for dtype, d, n in itertools.product(getattr(args, "dtypes", ["float16"]), args.d, args.n):
         batch = args.batch if args.batch else max(1, args.tokens // n)
         for causal in CAUSAL[args.causal]:
@@ -190,7 +191,6 @@ def run_grid(args: argparse.Namespace, rows: list[dict], *, pass_name: str, inpu
                     break
                 except Exception:  # noqa: BLE001 - e.g. naive attention out of memory at large n
                     pool.free_all_blocks()
-            rounds = max(1, getattr(args, "rounds", 1))
             timed = {}  # name -> (base, kind, fn, times, err, extra), in the order of args.impls
             for name in args.impls:
                 if skip(name, n):

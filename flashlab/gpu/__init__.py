@@ -541,10 +541,12 @@ def kernel_function(file: str, name: str, *, defines: tuple[str, ...] = (), shar
 def get_kernel(rung: Rung, dtype: str, d: int, nomask: bool = False):
     """The compiled kernel of ``rung`` for one dtype and head dimension, ready to launch; ``nomask``: for a call
     without a mask and with keys, the kernel a stream-K rung has for it (its ``attn_fwd_*_nomask``)."""
-    from .hopper import forward_entry
+    name = f"attn_fwd_{dtype}_d{d}"
+    if nomask and rung.file.startswith("hopper/"):  # only a Hopper rung can have a kernel of its own for it
+        from .hopper import forward_entry
 
-    return kernel_function(rung.file, forward_entry(rung.file, dtype, d, nomask), defines=rung.defines,
-                           shared_bytes=rung.shared_bytes(d))
+        name = forward_entry(rung.file, dtype, d, nomask)
+    return kernel_function(rung.file, name, defines=rung.defines, shared_bytes=rung.shared_bytes(d))
 
 
 class Workspace:
