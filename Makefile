@@ -9,8 +9,8 @@ DEV_STAMP := $(VENV)/.installed-dev-stamp
 PRESENT_STAMP := $(VENV)/.installed-present-stamp
 
 .PHONY: setup dev lab test test-gpu html slides present release grade lint clean \
-        bench-forward bench-ablate bench-peak bench-hopper bench-backward bench-decode bench-memory bench-train bench-ring bench-sparse bench-cpu \
-        profile profile-occupancy profile-backward profile-decode profile-stream-k sanitize
+        bench-forward bench-ablate bench-peak bench-hopper bench-backward bench-backward-hopper bench-decode bench-memory bench-train bench-ring bench-sparse bench-cpu \
+        profile profile-occupancy profile-backward profile-backward-hopper profile-decode profile-stream-k sanitize
 
 setup: $(STAMP)
 
@@ -83,6 +83,12 @@ bench-forward: setup
 bench-backward: setup
 	$(BENCH) backward --n 4096 16384 --causal no --impls sdpa_flash ours_pipe ours_mma sdpa_cudnn --repeat 20 --warmup 3
 
+# Hopper (H100, H200 only): the wgmma backward against "pipe" and SDPA's two backends, d 64 and 128, causal and not,
+# fp16 and bf16, both orders (--rounds 2).
+bench-backward-hopper: setup
+	$(BENCH) backward --name bwd_hopper --impls sdpa_flash ours_wgmma ours_pipe sdpa_cudnn --d 64 128 --n 4096 16384 \
+	    --causal both --dtypes float16 bfloat16 --repeat 20 --warmup 3 --rounds 2
+
 # Rungs 6 and 8 with one change undone at a time (chapter 7).
 bench-ablate: setup
 	$(BENCH) ablate
@@ -110,9 +116,9 @@ bench-hopper: setup
 	    --n 1024 4096 16384 --causal both --dtypes float16 bfloat16 --repeat 20 --warmup 3 --rounds 2
 
 bench-decode: setup
-	$(BENCH) decode --m 65536 --splits 4 16 20 41 64 128 256 --repeat 20 --warmup 3
+	$(BENCH) decode --m 65536 --splits 4 16 20 41 64 128 256 --repeat 20 --warmup 3 --rounds 2
 	$(BENCH) decode --name decode_gqa --m 131072 --heads 32 --kv-heads 8 --kernels keys mma --splits 16 33 66 132 264 \
-	    --repeat 20 --warmup 3
+	    --repeat 20 --warmup 3 --rounds 2
 
 bench-memory: setup
 	$(BENCH) memory --n 1024 4096 16384 --repeat 20
@@ -220,6 +226,14 @@ profile-backward: setup
 	    --batch 4 > data/raw/ncu/ncu_bwd_sdpa.csv
 	$(call ncu_summary,ncu_bwd_pipe.csv,stalls_bwd_pipe)
 	$(call ncu_summary,ncu_bwd_sdpa.csv,stalls_bwd_sdpa_flash)
+
+# The Hopper backward "wgmma" under the same metrics, with wgmma's own tensor pipe (gmma) beside mma.sync's (hmma).
+profile-backward-hopper: setup
+	mkdir -p build data/raw/ncu
+	$(PROFILE) provenance --command "make profile-backward-hopper" > build/ncu_provenance.json
+	for d in 64 128; do $(NCU) -k regex:bwd_wgmma $(STALLS),sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active \
+	    $(PROFILE) --pass backward --impl wgmma --d $$d --n 4096 --batch 4; done > data/raw/ncu/ncu_bwd_wgmma.csv
+	$(call ncu_summary,ncu_bwd_wgmma.csv,stalls_bwd_wgmma)
 
 # Every kernel once at ragged shapes under compute-sanitizer; fails on any memory error or race.
 # --report-api-errors no: the driver binding that builds TMA tensor maps (cuda-bindings) probes for entry points

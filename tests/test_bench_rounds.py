@@ -1,6 +1,6 @@
-"""``--rounds`` of the forward and backward benchmarks (flashlab.bench.run_grid): a shape's implementations timed
-again in reverse order, every row's median over the calls of every round. Run on the CPU with tools/hostemu's
-NumPy stand-in for CuPy, with stand-in implementations that log their calls."""
+"""``--rounds`` of the forward and backward benchmarks (flashlab.bench.run_grid) and of the decoding benchmark: a
+shape's implementations timed again in reverse order, every row's median over the calls of every round. Run on the
+CPU with tools/hostemu's NumPy stand-in for CuPy, with stand-in implementations that log their calls."""
 
 from __future__ import annotations
 
@@ -73,13 +73,59 @@ def test_rounds_below_one_mean_one(monkeypatch, rounds):
     assert _runs(calls) == ["a", "b", "c"] * 2
 
 
-def test_only_the_benchmarks_that_time_through_run_grid_take_rounds():
-    """--rounds is honoured by bench forward and backward (run_grid); the other benchmarks refuse it rather than
+def _run_decode(monkeypatch, rounds: int, broken=()):
+    """bench decode's loop over one cache length, with decode() replaced by a stand-in that logs its calls (by
+    kernel and split count, as the impl names them) and PyTorch absent."""
+    monkeypatch.setitem(sys.modules, "cupy", hostemu.fake_cupy())
+    monkeypatch.setitem(sys.modules, "torch", None)
+    import flashlab.gpu as fgpu
+    from flashlab.bench import decode as bdecode
+    from flashlab.gpu import decoding
+
+    calls: list[str] = []
+
+    def decode(q, k, v, *, num_splits=None, kernel="best", out=None, workspace=None):
+        name = kernel + ("" if num_splits is None else "_unsplit" if num_splits == 1 else f"_split_{num_splits}")
+        if name in broken:
+            raise RuntimeError(f"{name} cannot run here")
+        if out is not None:
+            calls.append(name)
+        return hostemu._wrap(np.zeros(q.shape, np.float16)), None
+
+    monkeypatch.setattr(fgpu, "decode", decode)
+    monkeypatch.setattr(decoding, "default_splits_here", lambda *a: 7)
+    monkeypatch.setattr(bdecode, "_copy_ms", lambda nbytes, repeat, warmup: 1.0)
+    args = bdecode.parser().parse_args(["--m", "64", "--heads", "2", "--kernels", "rows", "keys", "--splits", "4",
+                                        "--repeat", "3", "--warmup", "1", "--rounds", str(rounds)])
+    rows: list[dict] = []
+    bdecode.run(args, rows)
+    return rows, calls
+
+
+def test_decode_rounds_time_in_order_then_in_reverse(monkeypatch):
+    rows, calls = _run_decode(monkeypatch, 2)
+    order = ["rows", "rows_unsplit", "rows_split_4", "keys", "keys_unsplit", "keys_split_4"]
+    assert _runs(calls) == order + order[-2::-1]  # keys_split_4's two rounds run into each other
+    assert len(calls) == 6 * (1 + 2 * 2 * (1 + 3))  # impls x (the check + rounds x protocols x (warmup + repeat))
+    assert [r["impl"] for r in rows] == [name for name in order for _ in range(2)]
+    assert all(r["rounds"] == 2 and r["x_read_once"] > 0 for r in rows)
+    assert [r["num_splits"] for r in rows[:6]] == [7, 7, 1, 1, 4, 4]
+
+
+def test_decode_one_round_and_a_failing_kernel(monkeypatch):
+    rows, calls = _run_decode(monkeypatch, 1)
+    assert all("rounds" not in r for r in rows) and len(rows) == 12
+    rows, calls = _run_decode(monkeypatch, 3, broken=("keys_unsplit",))
+    assert "keys_unsplit" not in calls and [r["impl"] for r in rows if "error" in r] == ["keys_unsplit"]
+    assert all(r["rounds"] == 3 for r in rows if "error" not in r) and len(calls) == 5 * (1 + 3 * 2 * (1 + 3))
+
+
+def test_only_the_benchmarks_that_time_in_rounds_take_rounds():
+    """--rounds is honoured by bench forward and backward (run_grid) and decode; the others refuse it rather than
     ignore it."""
     from flashlab.bench import backward, decode, forward, sparse
 
-    for mod in (forward, backward):
+    for mod in (forward, backward, decode):
         assert mod.parser().parse_args(["--rounds", "2"]).rounds == 2
-    for mod in (decode, sparse):
-        with pytest.raises(SystemExit):
-            mod.parser().parse_args(["--rounds", "2"])
+    with pytest.raises(SystemExit):
+        sparse.parser().parse_args(["--rounds", "2"])

@@ -12,12 +12,14 @@ of --protocols (one row each). Rows: pass "decode", with kv_bytes and GB/s, writ
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 from .. import records
 from ..gpu import decoding
 from . import (
     add_protocols,
+    add_rounds,
     error_line,
     gpu_main,
     max_diff,
@@ -70,6 +72,7 @@ def _decode_one(args, m: int, rows: list[dict], rng) -> None:
     ref, _ = fgpu.decode(q, k, v, num_splits=1, kernel="rows")
     out = (cp.empty_like(q), cp.empty(q.shape[:-1], dtype=cp.float32))
     workspace = fgpu.Workspace()
+    timed: list[tuple] = []  # (row base, timed call, event kind, samples per protocol, max |diff|), in timing order
     # impl: "<kernel>" with the default split count, "<kernel>_unsplit", "<kernel>_split_<S>"
     runs = [(f"{kern}{suffix}", kern, splits) for kern in args.kernels
             for suffix, splits in [("", None), ("_unsplit", 1)] + [(f"_split_{s}", s) for s in args.splits]]
@@ -79,43 +82,51 @@ def _decode_one(args, m: int, rows: list[dict], rng) -> None:
 
         # the split count decode chose (the default comes from the kernel's occupancy on this GPU)
         used = splits or decoding.default_splits_here(q.shape, k.shape, d, kern)
-        _time(args, rows, {**base, "impl": name, "kernel": kern, "num_splits": used}, fn, "cupy",
-              lambda fn=fn: fn()[0], ref, read_once_ms)
+        _first_round(args, rows, timed, {**base, "impl": name, "kernel": kern, "num_splits": used}, fn, "cupy",
+                     lambda fn=fn: fn()[0], ref)
     try:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:
-        return
-    tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
-    for name, backend in SDPA.items():
-        def sdpa(backend=backend):
-            if backend is None:
-                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=H != Hk)
-            with sdpa_kernel(getattr(SDPBackend, backend)):
-                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=H != Hk)
+        torch = None
+    if torch is not None:
+        tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+        for name, backend in SDPA.items():
+            def sdpa(backend=backend):
+                if backend is None:
+                    return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=H != Hk)
+                with sdpa_kernel(getattr(SDPBackend, backend)):
+                    return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=H != Hk)
 
-        _time(args, rows, {**base, "impl": name}, sdpa, "torch", lambda sdpa=sdpa: cp.from_dlpack(sdpa().contiguous()),
-              ref, read_once_ms)
+            _first_round(args, rows, timed, {**base, "impl": name}, sdpa, "torch",
+                         lambda sdpa=sdpa: cp.from_dlpack(sdpa().contiguous()), ref)
+    rounds = max(1, args.rounds)
+    for r in range(1, rounds):  # the later rounds, every other one in reverse order (bench forward's --rounds)
+        for _, fn, kind, times, _ in (timed[::-1] if r % 2 else timed):
+            for p in args.protocols:
+                times[p] += records.cuda_times(fn, args.repeat, args.warmup, kind=kind, protocol=p)
+    for row_base, _, _, times, err in timed:
+        for protocol, samples in times.items():
+            ms = statistics.median(samples)
+            row = {**row_base, "protocol": protocol, "median_ms": round(ms, 5),
+                   "gbps": round(kv_bytes / (ms * 1e-3) / 1e9, 1), "x_read_once": round(ms / read_once_ms, 3),
+                   "repeat": args.repeat, "max_abs_diff": err, "diff_against": "rows_unsplit"}
+            rows.append({**row, "rounds": rounds} if rounds > 1 else row)
+            print(f"  {row['impl']:<16} splits={row.get('num_splits', '-')!s:<5} {protocol:<10} {ms * 1e3:9.1f} us  "
+                  f"{row['gbps']:7.0f} GB/s  {row['x_read_once']:.2f}x copy time  max|diff|={err:.1e}", flush=True)
 
 
-def _time(args, rows: list[dict], base: dict, fn, kind: str, result, ref, read_once_ms: float) -> None:
-    """Check ``result()`` against ``ref`` once, then time ``fn`` under each protocol: one row each (or one row
-    with the error)."""
+def _first_round(args, rows: list[dict], timed: list, base: dict, fn, kind: str, result, ref) -> None:
+    """Check ``result()`` against ``ref`` once, then time ``fn`` under each protocol and keep the samples in
+    ``timed`` (or append a row with the error)."""
     try:
         err = max_diff(result(), ref)
-        times = {p: records.median_ms(fn, args.repeat, args.warmup, kind=kind, protocol=p) for p in args.protocols}
+        times = {p: records.cuda_times(fn, args.repeat, args.warmup, kind=kind, protocol=p) for p in args.protocols}
     except Exception as e:  # noqa: BLE001 - recorded, the table goes on
         rows.append({**base, "error": f"{type(e).__name__}: {str(e)[:200]}"})
         print(f"  {base['impl']:<16} {rows[-1]['error'][:100]}", flush=True)
         return
-    for protocol, ms in times.items():
-        kv = base["kv_bytes"]
-        rows.append({**base, "protocol": protocol, "median_ms": round(ms, 5), "gbps": round(kv / (ms * 1e-3) / 1e9, 1),
-                     "x_read_once": round(ms / read_once_ms, 3), "repeat": args.repeat, "max_abs_diff": err,
-                     "diff_against": "rows_unsplit"})
-        print(f"  {base['impl']:<16} splits={base.get('num_splits', '-')!s:<5} {protocol:<10} {ms * 1e3:9.1f} us  "
-              f"{rows[-1]['gbps']:7.0f} GB/s  {rows[-1]['x_read_once']:.2f}x copy time  max|diff|={err:.1e}",
-              flush=True)
+    timed.append((base, fn, kind, times, err))
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -183,6 +194,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=int, default=None, help="K/V heads (default: heads)")
     p.add_argument("--batch", type=int, default=None, help="default 1")
     add_protocols(p)
+    add_rounds(p)
     return p
 
 

@@ -10,8 +10,10 @@ and adds its share of dQ into an fp32 buffer with atomics; a last kernel scales 
 Three main kernels, one step apart: ``"smem"`` (``bwd_r1_smem.cu``) uses scalar fp32 FMAs on shared-memory tiles
 (correctness first); ``"mma"`` (``bwd_r2_mma.cu``) runs the five tile products on tensor cores; ``"pipe"``
 (``bwd_r3_pipelined.cu``) gives a block twice the keys (half the query-tile loads and dQ atomics per key) and
-copies the next query tile with cp.async while the current one is used. ``numpy_backward`` is the schedule in
-NumPy, for tests and chapter 8.
+copies the next query tile with cp.async while the current one is used. On sm_90 two more: ``"wgmma"``
+(``hopper/bwd_h1_wgmma.cu``) runs the products on Hopper's warpgroup MMAs, two warpgroups of 64 keys with operands
+read from shared memory, and ``"wgmma_overlap"`` (``hopper/bwd_h2_overlap.cu``) computes P and dS while the
+products before them run. ``numpy_backward`` is the schedule in NumPy, for tests and chapter 8.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from . import (
     _cupy,
     choose,
     device_limits,
+    hopper_problem,
     kernel_function,
     launch_problem,
 )
@@ -43,7 +46,10 @@ from . import (
 KERNEL_FILE = "bwd_r1_smem.cu"  # kernels 1 and 3, and the scalar main kernel
 MMA_FILE = "bwd_r2_mma.cu"  # the main kernel on tensor cores
 PIPE_FILE = "bwd_r3_pipelined.cu"  # tensor cores, 128 keys per block, cp.async double buffering
-KERNEL_FILES = (KERNEL_FILE, MMA_FILE, PIPE_FILE)
+WGMMA_FILE = "hopper/bwd_h1_wgmma.cu"  # Hopper's warpgroup MMAs (sm_90a), two warpgroups of 64 keys
+OVERLAP_FILE = "hopper/bwd_h2_overlap.cu"  # the same, the exponentials and dS under the running products
+HOPPER_FILES = (WGMMA_FILE, OVERLAP_FILE)
+KERNEL_FILES = (KERNEL_FILE, MMA_FILE, PIPE_FILE, *HOPPER_FILES)
 BLOCK_KEYS = 32  # keys per thread block (BC in bwd_r1_smem.cu; the schedule numpy_backward follows)
 BLOCK_ROWS = 32  # query rows per tile (BR in every file)
 THREADS = 256  # threads of kernels 1 and 3
@@ -60,12 +66,21 @@ class MainKernel:
     threads: int
     stages: int = 0
     min_cc: int = 80  # mma.sync m16n8k16 and cp.async: sm_80 (the smem kernel's file builds for sm_75 too)
+    block_rows: int = BLOCK_ROWS  # query rows per tile
+
+    @property
+    def hopper(self) -> bool:
+        """Built for sm_90a alone (wgmma), like the forward's kernels/hopper/ rungs."""
+        return self.file.startswith("hopper/")
 
     def shared_bytes(self, d: int) -> int:
-        """Dynamic shared memory: K, V and `stages` Q and dO tiles (rows padded to d + 8), dS^T, and `stages` L
-        and D vectors."""
+        """Dynamic shared memory: K, V and `stages` Q and dO tiles (rows padded to d + 8, or in wgmma's swizzled
+        layout without padding, plus 1024 B to align it), dS^T, and `stages` L and D vectors."""
         if not self.stages:
             return 0
+        if self.hopper:
+            tiles = (2 * self.block_keys + 2 * self.stages * self.block_rows) * d * 2
+            return tiles + self.block_keys * self.block_rows * 2 + 2 * self.stages * self.block_rows * 4 + 1024
         tiles = (2 * self.block_keys + 2 * self.stages * BLOCK_ROWS) * (d + 8) * 2
         return tiles + self.block_keys * (BLOCK_ROWS + 8) * 2 + 2 * self.stages * BLOCK_ROWS * 4
 
@@ -74,6 +89,8 @@ MAIN_KERNELS = {
     "smem": MainKernel(KERNEL_FILE, "bwd_main", BLOCK_KEYS, THREADS, min_cc=75),
     "mma": MainKernel(MMA_FILE, "bwd_mma", 64, 128, stages=1),
     "pipe": MainKernel(PIPE_FILE, "bwd_pipe", 128, 256, stages=2),
+    "wgmma": MainKernel(WGMMA_FILE, "bwd_wgmma", 128, 256, stages=2, min_cc=90, block_rows=64),
+    "wgmma_overlap": MainKernel(OVERLAP_FILE, "bwd_wgmma_overlap", 128, 256, stages=2, min_cc=90, block_rows=64),
 }
 KERNELS = tuple(MAIN_KERNELS)
 DEFAULT_KERNEL = "pipe"  # the fastest kernel measured on a GPU (data/ch8/bwd.json: 0.57x sdpa_flash; "mma" 0.42x)
@@ -84,9 +101,11 @@ FASTEST_FIRST = ("pipe", "mma", "smem")  # what kernel="best" tries, in this ord
 def _backward_plan(d: int, kernel: str, lim: DeviceLimits) -> Plan:
     if kernel != "best" and kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS} or 'best'; got {kernel!r}")
-    candidates = {name: MAIN_KERNELS[name] for name in FASTEST_FIRST}
+    candidates = {name: MAIN_KERNELS[name] for name in (*FASTEST_FIRST, *KERNELS)}
 
     def problem(_, mk: MainKernel, best: bool) -> str | None:
+        if mk.hopper and (why := hopper_problem(lim)):
+            return why
         return launch_problem(f" at d = {d}", min_cc=mk.min_cc, shared_bytes=mk.shared_bytes(d), threads=mk.threads,
                               lim=lim)
 
@@ -162,7 +181,8 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: floa
     Accumulation is fp32; dq is summed with fp32 atomics, so its last bits vary from run to run.
     ``kernel``: "smem" (scalar fp32 FMAs, the first version; P and dS stay fp32), "mma" (tensor cores; P and dS
     are rounded to 16 bits before their products, as in FlashAttention-2), "pipe" ("mma" with 128 keys per block
-    and cp.async double buffering) or "best" (the default): the fastest this GPU runs, ``plan_backward``.
+    and cp.async double buffering), "wgmma" and "wgmma_overlap" (Hopper's warpgroup MMAs; sm_90 only) or "best"
+    (the default): the fastest this GPU runs, ``plan_backward``.
     ``out`` = (dq, dk, dv) writes into given arrays instead of allocating them; ``workspace`` (a
     ``flashlab.gpu.Workspace``) keeps the fp32 dq accumulator and the D vector from call to call. With both, a
     call allocates nothing.

@@ -126,14 +126,14 @@ def backward_and_decode(quick: bool = False) -> int:
                     try:
                         backward._backward_plan(d, kernel, fgpu.device_limits())
                     except ValueError as e:
-                        print(f"backward {kernel:<4} {dt:<4} d={d:<4} skipped: {e}", flush=True)
+                        print(f"backward {kernel:<13} {dt:<4} d={d:<4} skipped: {e}", flush=True)
                         continue
                     grads = fgpu.attention_backward(*dev[:3], o, lse, dev[3], causal=causal, bf16=bf, kernel=kernel)
                     errs = [float(np.abs(host(g) - w).max() / max(1.0, np.abs(w).max()))
                             for g, w in zip(grads, want, strict=True)]
                     ok = max(errs) < (3e-2 if bf else 4e-3)
                     bad += not ok
-                    print(f"backward {kernel:<4} {dt:<4} d={d:<4} n={n:<4} m={m:<4} causal={causal!s:<5} rel errors "
+                    print(f"backward {kernel:<13} {dt:<4} d={d:<4} n={n:<4} m={m:<4} causal={causal!s:<5} rel errors "
                           f"{', '.join(f'{e:.1e}' for e in errs)} {'ok' if ok else 'FAIL'}", flush=True)
                 # three new tokens (6 rows of the 2-head group: the "keys" R = 8 kernel), and two (R = 4);
                 # lengths=None: the kernels read every key through a null lengths pointer (the default call)

@@ -101,6 +101,11 @@ inline int atomicAdd(int* p, int v) {
     *p = o + v;
     return o;
 }
+inline void red_add_v2(float* p, float a, float b) {  // red.global.add.v2.f32
+    std::lock_guard<std::mutex> g(g_atomic);
+    p[0] += a;
+    p[1] += b;
+}
 // A load past this SM's L1 (ld.global.cg): memory is one here.
 template <class T>
 inline T __ldcg(const T* p) { return *p; }
@@ -262,6 +267,8 @@ template <int N>
 inline void wgmma_wait() {}
 template <int NREG>
 inline void pin(float*) {}
+template <int NREG>
+inline void hold(const unsigned*) {}
 inline void fence_to_tensor_cores() {}
 inline unsigned g_wg_a[8][128][4];  // the A fragments of each warpgroup's threads (register-A wgmma)
 inline void warpgroup_sync() {
@@ -328,6 +335,24 @@ struct Wgmma {
     }
     template <bool BF16>
     static float val(std::uint16_t x) { return BF16 ? bf16_val(x) : f16_val(x); }
+};
+
+// d = A B (+ d) with A (64 x 16) and B (16 x N) both MN-major in shared memory (both transpose flags set)
+template <int N>
+struct WgmmaT {
+    template <bool BF16>
+    static void ss(float* d, u64 da, u64 db, int scale_d) {
+        const WgmmaDesc A(da), B(db);
+        const int w = (threadIdx.x % 128) / 32, l = threadIdx.x % 32, g = l / 4, t = l % 4;
+        for (int j = 0; j < N / 8; ++j)
+            for (int e = 0; e < 4; ++e) {
+                const int row = 16 * w + g + 8 * (e / 2), col = 8 * j + 2 * t + e % 2;
+                float x = scale_d ? d[4 * j + e] : 0.f;
+                for (int k = 0; k < 16; ++k)
+                    x += Wgmma<N>::template val<BF16>(A.mnmajor(k, row)) * Wgmma<N>::template val<BF16>(B.mnmajor(k, col));
+                d[4 * j + e] = x;
+            }
+    }
 };
 
 // --- the TMA rungs (kernels/hopper/tma.cuh): mbarriers and tensor copies, synchronous here. An mbarrier's 8 bytes

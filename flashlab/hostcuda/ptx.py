@@ -33,8 +33,12 @@ PTX_HELPERS = ("ex2", "smem_addr", "ldsm_x4", "ldsm_x4_t", "cp_async16", "cp_asy
                "mbar_init", "fence_barrier_init", "mbar_expect_tx", "mbar_try_wait", "tma_load_3d", "mbar_arrive",
                "setmaxnreg_dec", "setmaxnreg_inc", "named_bar_sync", "named_bar_arrive",
                # and kernels/hopper/epilogue.cuh's
-               "stsm_x4", "lds_v4", "stg_v4")
-HOPPER_STRUCTS = (re.compile(r"template <>\s*struct Wgmma<\d+> \{"), re.compile(r"template <int N>\s*struct Wgmma;"))
+               "stsm_x4", "lds_v4", "stg_v4",
+               # and the Hopper backward's (kernels/hopper/bwd_h*.cu)
+               "red_add_v2", "hold")
+# (Wgmma<N> in wgmma.cuh; WgmmaT<N>, both operands transposed, in the Hopper backward)
+HOPPER_STRUCTS = (re.compile(r"template <>\s*struct WgmmaT?<\d+> \{"),
+                  re.compile(r"template <int N>\s*struct WgmmaT?;"))
 ASM_REWRITES = [
     (r'asm volatile\("mov\.u32 %0, %1;" : "=r"\((\w+)\) : "r"\((\w+)\)\);', r"\1 = \2;"),
     (r'asm volatile\("mov\.u32 %0, %%ctaid\.([xyz]);" : "=r"\((\w+)\)\);', r"\2 = blockIdx.\1;"),
