@@ -83,11 +83,11 @@ bench-forward: setup
 bench-backward: setup
 	$(BENCH) backward --n 4096 16384 --causal no --impls sdpa_flash ours_pipe ours_mma sdpa_cudnn --repeat 20 --warmup 3
 
-# Hopper (H100, H200 only): the wgmma backward against "pipe" and SDPA's two backends, d 64 and 128, causal and not,
-# fp16 and bf16, both orders (--rounds 2).
+# Hopper (H100, H200 only): the two wgmma backward kernels against "pipe" and SDPA's two backends, d 64 and 128,
+# causal and not, fp16 and bf16, both orders (--rounds 2).
 bench-backward-hopper: setup
-	$(BENCH) backward --name bwd_hopper --impls sdpa_flash ours_wgmma ours_pipe sdpa_cudnn --d 64 128 --n 4096 16384 \
-	    --causal both --dtypes float16 bfloat16 --repeat 20 --warmup 3 --rounds 2
+	$(BENCH) backward --name bwd_hopper --impls sdpa_flash ours_wgmma ours_wgmma_overlap ours_pipe sdpa_cudnn \
+	    --d 64 128 --n 4096 16384 --causal both --dtypes float16 bfloat16 --repeat 20 --warmup 3 --rounds 2
 
 # Rungs 6 and 8 with one change undone at a time (chapter 7).
 bench-ablate: setup
