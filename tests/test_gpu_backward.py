@@ -145,15 +145,16 @@ def _runs_here(kernel):
         pytest.skip(why)
 
 
-def _check_backward(rng, dt, B, H, Hk, n, m, d, causal, *, scale=None, magnitude=1.0, kernel="smem"):
+def _check_backward(rng, dt, B, H, Hk, n, m, d, causal, *, scale=None, magnitude=1.0, kernel="smem", qk=None):
+    """``qk``: given (q, k) instead of random ones (rounded to dt here)."""
     import cupy as cp
 
     import flashlab.gpu as fgpu
 
     tga = _tga()
     lead_q, lead_k = ((B, H), (B, Hk)) if B else ((), ())
-    q = tga._round(magnitude * rng.standard_normal(lead_q + (n, d)), dt)
-    k = tga._round(rng.standard_normal(lead_k + (m, d)), dt)
+    q = tga._round(magnitude * rng.standard_normal(lead_q + (n, d)) if qk is None else qk[0], dt)
+    k = tga._round(rng.standard_normal(lead_k + (m, d)) if qk is None else qk[1], dt)
     v = tga._round(rng.standard_normal(lead_k + (m, d)), dt)
     do = tga._round(rng.standard_normal(lead_q + (n, d)), dt)
     sc = fgpu.check_scale(scale, d)
@@ -224,6 +225,20 @@ def test_backward_fully_masked_rows_and_huge_logits(rng, dt, kernel):
     dq, _, _ = _check_backward(rng, dt, 1, 2, 1, n, m, 64, True, kernel=kernel)
     assert (dq[..., : n - m, :] == 0).all()
     _check_backward(rng, dt, 1, 1, 1, 70, 90, 128, True, scale=1.0, magnitude=1000.0 / np.sqrt(128), kernel=kernel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", gbwd.KERNELS)
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+def test_keys_past_the_cache_stay_masked_when_every_score_is_very_negative(rng, dt, kernel):
+    """Every score -100, m not a multiple of any block's keys, no causal mask: a kernel that lets the zero-filled
+    keys past m into P gets P = e^100 / 37 there (past fp32's range), and dS times K's zero rows makes dQ NaN."""
+    _runs_here(kernel)
+    for d in (64, 128):
+        B, H, n, m = 1, 2, 5, 37
+        q = np.full((B, H, n, d), -100.0 / d)
+        k = np.ones((B, H, m, d))
+        _check_backward(rng, dt, B, H, H, n, m, d, False, scale=1.0, kernel=kernel, qk=(q, k))
 
 
 @pytest.mark.gpu

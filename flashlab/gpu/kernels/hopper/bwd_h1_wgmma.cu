@@ -22,7 +22,7 @@
 //
 // Layout and arguments as bwd_main in bwd_r1_smem.cu (kernels 1 and 3, bwd_dot and bwd_dq, are that file's).
 // Grid: (ceil(m / 128), Hk, B); block: 256 threads (two warpgroups); dynamic shared memory:
-// (2 BC + 4 BR) D 2 + BC BR 2 + 4 BR 4 + 1024 bytes (148,480 B at D = 128, 82,944 B at D = 64).
+// (2 BC + 4 BR) D 2 + BC BR 2 + 4 BR 4 + 1024 bytes (149,504 B at D = 128, 83,968 B at D = 64).
 #include "wgmma.cuh"
 #include "backward.cuh"
 
@@ -128,10 +128,13 @@ __device__ void bwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, 
         pin<BR / 2>(dpt);
 
         // P^T and dS^T, packed at once into A fragments (k16 step kk: query columns 16 kk .. 16 kk + 15). Element
-        // e of 8-column block j: key kw + 16 warp + g + 8 (e / 2), query row q0 + 8 j + 2 t + e % 2. The causal
-        // mask is applied only where this warpgroup's keys reach past the tile's first row.
+        // e of 8-column block j: key kw + 16 warp + g + 8 (e / 2), query row q0 + 8 j + 2 t + e % 2. The mask is
+        // applied only where this warpgroup's keys reach past the cache's end or (causal) past the tile's first
+        // row. A key past m must be masked although its K and V rows are zeros: its P = 2^-L can be huge for a row
+        // whose every score is very negative, and dS = -P D rounded to 16 bits would then be inf, and inf times
+        // K's zero row a NaN in dQ.
         const int key0 = kw + 16 * warp + g;
-        const bool need_mask = causal && kw + 63 > q0 + off;
+        const bool need_mask = kw + 64 > m || (causal && kw + 63 > q0 + off);
         u32 pa[BR / 16][4], sa[BR / 16][4];
 #pragma unroll
         for (int j = 0; j < BR / 8; ++j) {
@@ -142,7 +145,10 @@ __device__ void bwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, 
             for (int e = 0; e < 4; ++e) {
                 const float l = e & 1 ? L.y : L.x, dd = e & 1 ? Dv.y : Dv.x;
                 float x = fmaf(st[4 * j + e], scale2, -l);
-                if (need_mask && key0 + 8 * (e >> 1) > q0 + c + (e & 1) + off) x = NEG_INF;
+                if (need_mask) {
+                    const int key = key0 + 8 * (e >> 1);
+                    if (key >= m || (causal && key > q0 + c + (e & 1) + off)) x = NEG_INF;
+                }
                 p[e] = ex2(x);
                 s[e] = p[e] * (dpt[4 * j + e] - dd);
             }
@@ -152,6 +158,15 @@ __device__ void bwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, 
             sa[j / 2][(j & 1) * 2 + 1] = Ty::pack(s[2], s[3]);
         }
 
+        // dS^T to shared memory for dQ, row = key (0 .. 127 in the block), column = query row of the tile; two
+        // columns a 4-byte store, in the swizzle (the 32 lanes of a store hit 32 different banks). Stored before
+        // dK's wgmma is issued: a register a running wgmma reads is not to be touched until it is waited for.
+#pragma unroll
+        for (int j = 0; j < BR / 8; ++j) {
+            const int r = 64 * wg + 16 * warp + g;
+            *(u32*)(dss_ptr + tile_offset<BC>(r, j) + 4 * t) = sa[j / 2][(j & 1) * 2];
+            *(u32*)(dss_ptr + tile_offset<BC>(r + 8, j) + 4 * t) = sa[j / 2][(j & 1) * 2 + 1];
+        }
         // dV_w += P^T dO and dK_w += dS^T Q: one wgmma each per 16 query rows; the k16 step kk is 16 rows (2048
         // bytes) down the dO / Q tile, whose 64-column panels are BR * 128 bytes apart.
         wgmma_fence();
@@ -161,15 +176,6 @@ __device__ void bwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, 
             Wgmma<D>::template rs<Ty::bf16>(dka, sa[kk], descriptor(qs + kk * 2048, BR * 128, 1024), 1);
         }
         wgmma_commit();
-
-        // dS^T to shared memory for dQ, row = key (0 .. 127 in the block), column = query row of the tile; two
-        // columns a 4-byte store, in the swizzle (the 32 lanes of a store hit 32 different banks).
-#pragma unroll
-        for (int j = 0; j < BR / 8; ++j) {
-            const int r = 64 * wg + 16 * warp + g;
-            *(u32*)(dss_ptr + tile_offset<BC>(r, j) + 4 * t) = sa[j / 2][(j & 1) * 2];
-            *(u32*)(dss_ptr + tile_offset<BC>(r + 8, j) + 4 * t) = sa[j / 2][(j & 1) * 2 + 1];
-        }
         fence_to_tensor_cores();
         __syncthreads();  // dS^T is complete
 
@@ -180,6 +186,7 @@ __device__ void bwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, 
 #pragma unroll
         for (int e = 0; e < NQ / 2; ++e) dqa[e] = 0.f;
         const u32 kcol = ks + (wg * NQ / 64) * BC * 128 + (wg * NQ % 64) * 2;
+        wgmma_fence();  // dqa was just written by this thread
 #pragma unroll
         for (int kk = 0; kk < BC / 16; ++kk)
             WgmmaT<NQ>::template ss<Ty::bf16>(dqa, descriptor(dss + kk * 2048, BC * 128, 1024),

@@ -5,7 +5,7 @@
 // Here the products are committed in the order their results are needed and each wait lets the next product run:
 //   S^T (group 1), dP^T (group 2); wait until only group 2 runs; P^T = exp2(...) while dP^T is computed;
 //   dV += P^T dO (group 3); wait until only group 3 runs; dS^T = P^T (dP^T - D) while dV is computed;
-//   dK += dS^T Q (group 4); dS^T to shared memory; barrier; dQ (group 5); wait for everything.
+//   dS^T to shared memory; dK += dS^T Q (group 4); barrier; dQ (group 5); wait for everything.
 // P^T and dS^T stay in registers until the last wait, because wgmma reads its register operand while it runs.
 // Everything else (the schedule, the layouts, the dQ reduction, the launch) is bwd_h1_wgmma.cu's.
 #include "wgmma.cuh"
@@ -114,9 +114,10 @@ __device__ void bwd_wgmma_overlap(const u16* __restrict__ q, const u16* __restri
 
         // P^T (in place, fp32) and packed into A fragments (k16 step kk: query columns 16 kk .. 16 kk + 15).
         // Element e of 8-column block j: key kw + 16 warp + g + 8 (e / 2), query row q0 + 8 j + 2 t + e % 2. The
-        // causal mask is applied only where this warpgroup's keys reach past the tile's first row.
+        // mask is applied only where this warpgroup's keys reach past the cache's end or (causal) past the tile's
+        // first row (why keys past m are masked: bwd_h1_wgmma.cu).
         const int key0 = kw + 16 * warp + g;
-        const bool need_mask = causal && kw + 63 > q0 + off;
+        const bool need_mask = kw + 64 > m || (causal && kw + 63 > q0 + off);
         u32 pa[BR / 16][4], sa[BR / 16][4];
 #pragma unroll
         for (int j = 0; j < BR / 8; ++j) {
@@ -124,7 +125,10 @@ __device__ void bwd_wgmma_overlap(const u16* __restrict__ q, const u16* __restri
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 float x = fmaf(st[4 * j + e], scale2, -(e & 1 ? L.y : L.x));
-                if (need_mask && key0 + 8 * (e >> 1) > q0 + 8 * j + 2 * t + (e & 1) + off) x = NEG_INF;
+                if (need_mask) {
+                    const int key = key0 + 8 * (e >> 1);
+                    if (key >= m || (causal && key > q0 + 8 * j + 2 * t + (e & 1) + off)) x = NEG_INF;
+                }
                 st[4 * j + e] = ex2(x);
             }
             pa[j / 2][(j & 1) * 2] = Ty::pack(st[4 * j], st[4 * j + 1]);
@@ -150,20 +154,20 @@ __device__ void bwd_wgmma_overlap(const u16* __restrict__ q, const u16* __restri
             sa[j / 2][(j & 1) * 2] = Ty::pack(s[0], s[1]);
             sa[j / 2][(j & 1) * 2 + 1] = Ty::pack(s[2], s[3]);
         }
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BR / 16; ++kk)
-            Wgmma<D>::template rs<Ty::bf16>(dka, sa[kk], descriptor(qs + kk * 2048, BR * 128, 1024), 1);
-        wgmma_commit();
-
         // dS^T to shared memory for dQ, row = key (0 .. 127 in the block), column = query row of the tile; two
-        // columns a 4-byte store, in the swizzle (the 32 lanes of a store hit 32 different banks).
+        // columns a 4-byte store, in the swizzle (the 32 lanes of a store hit 32 different banks). Stored before
+        // dK's wgmma is issued: a register a running wgmma reads is not to be touched until it is waited for.
 #pragma unroll
         for (int j = 0; j < BR / 8; ++j) {
             const int r = 64 * wg + 16 * warp + g;
             *(u32*)(dss_ptr + tile_offset<BC>(r, j) + 4 * t) = sa[j / 2][(j & 1) * 2];
             *(u32*)(dss_ptr + tile_offset<BC>(r + 8, j) + 4 * t) = sa[j / 2][(j & 1) * 2 + 1];
         }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BR / 16; ++kk)
+            Wgmma<D>::template rs<Ty::bf16>(dka, sa[kk], descriptor(qs + kk * 2048, BR * 128, 1024), 1);
+        wgmma_commit();
         fence_to_tensor_cores();
         __syncthreads();  // dS^T is complete
 
@@ -174,6 +178,7 @@ __device__ void bwd_wgmma_overlap(const u16* __restrict__ q, const u16* __restri
 #pragma unroll
         for (int e = 0; e < NQ / 2; ++e) dqa[e] = 0.f;
         const u32 kcol = ks + (wg * NQ / 64) * BC * 128 + (wg * NQ % 64) * 2;
+        wgmma_fence();  // dqa was just written by this thread
 #pragma unroll
         for (int kk = 0; kk < BC / 16; ++kk)
             WgmmaT<NQ>::template ss<Ty::bf16>(dqa, descriptor(dss + kk * 2048, BC * 128, 1024),
