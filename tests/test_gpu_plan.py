@@ -135,6 +135,18 @@ def test_backward_takes_the_fastest_kernel_whose_shared_memory_fits(lim, d):
     assert [k for k, _ in p.passed_over] == list(gbwd.FASTEST_FIRST[:gbwd.FASTEST_FIRST.index(p.kernel)])
 
 
+@pytest.mark.parametrize("kernel", [k for k, mk in gbwd.MAIN_KERNELS.items() if mk.hopper])
+def test_hopper_backward_kernels_run_on_sm90_only_and_say_why_elsewhere(kernel):
+    for d in fgpu.HEAD_DIMS:
+        p = gbwd._backward_plan(d, kernel, H100)
+        assert p.kernel == kernel and p.shared_bytes == gbwd.MAIN_KERNELS[kernel].shared_bytes(d) <= H100.smem_per_block
+        for lim in (T4, A10, RTX4090, A100):
+            with pytest.raises(ValueError, match=rf"backward kernel '{kernel}' .*sm_90a.*this GPU is sm_{lim.cc}.*"
+                                                 rf"'best' would choose '(pipe|mma|smem)'"):
+                gbwd._backward_plan(d, kernel, lim)
+    assert gbwd._backward_plan(128, "best", H100).kernel == gbwd.FASTEST_FIRST[0]  # "best": the measured order
+
+
 def test_backward_at_d128_takes_mma_on_99_kb_cards_and_says_why():
     assert gbwd.MAIN_KERNELS["pipe"].shared_bytes(128) == 115200
     for lim in (A10, RTX4090):
