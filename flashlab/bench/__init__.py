@@ -94,6 +94,16 @@ def add_rounds(p: argparse.ArgumentParser) -> None:
                         "2 evens that out; default 1)")
 
 
+def time_later_rounds(args: argparse.Namespace, rounds: int, timed: list[tuple]) -> None:
+    """Rounds 2 .. ``rounds`` of --rounds: each (timed call, event kind, samples per protocol) of ``timed``, given
+    in the first round's order, is timed again under every protocol of ``args``, every other round in reverse
+    order; the new samples are appended to its lists."""
+    for r in range(1, rounds):
+        for fn, kind, times in (timed[::-1] if r % 2 else timed):
+            for p in args.protocols:
+                times[p] += records.cuda_times(fn, args.repeat, args.warmup, kind=kind, protocol=p)
+
+
 def training_kernel_hashes() -> dict:
     """Provenance of the backward and decoding records: the hashes of the backward and decoding kernel sources."""
     from ..gpu import KERNEL_DIR, backward, decoding
@@ -221,11 +231,7 @@ def run_grid(args: argparse.Namespace, rows: list[dict], *, pass_name: str, inpu
                 del fn
                 if rounds == 1:
                     pool.free_all_blocks()
-            for r in range(1, rounds):  # the later rounds, every other one in reverse order
-                for name in (list(timed)[::-1] if r % 2 else list(timed)):
-                    _, kind, fn, times, _, _ = timed[name]
-                    for p in args.protocols:
-                        times[p] += records.cuda_times(fn, args.repeat, args.warmup, kind=kind, protocol=p)
+            time_later_rounds(args, rounds, [(fn, kind, times) for _, kind, fn, times, _, _ in timed.values()])
             for name, (base, _, _, times, err, extra) in timed.items():
                 f = flop(n, d, batch, args.heads, causal)
                 for protocol, samples in times.items():

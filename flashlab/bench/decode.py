@@ -26,6 +26,7 @@ from . import (
     median_times,
     ratio_cells,
     record_parser,
+    time_later_rounds,
     training_kernel_hashes,
 )
 from .backward import OUT_DIR
@@ -84,27 +85,11 @@ def _decode_one(args, m: int, rows: list[dict], rng) -> None:
         used = splits or decoding.default_splits_here(q.shape, k.shape, d, kern)
         _first_round(args, rows, timed, {**base, "impl": name, "kernel": kern, "num_splits": used}, fn, "cupy",
                      lambda fn=fn: fn()[0], ref)
-    try:
-        import torch
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-    except ImportError:
-        torch = None
-    if torch is not None:
-        tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
-        for name, backend in SDPA.items():
-            def sdpa(backend=backend):
-                if backend is None:
-                    return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=H != Hk)
-                with sdpa_kernel(getattr(SDPBackend, backend)):
-                    return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=H != Hk)
-
-            _first_round(args, rows, timed, {**base, "impl": name}, sdpa, "torch",
-                         lambda sdpa=sdpa: cp.from_dlpack(sdpa().contiguous()), ref)
+    for name, sdpa in _sdpa_calls(q, k, v, H != Hk):
+        _first_round(args, rows, timed, {**base, "impl": name}, sdpa, "torch",
+                     lambda sdpa=sdpa: cp.from_dlpack(sdpa().contiguous()), ref)
     rounds = max(1, args.rounds)
-    for r in range(1, rounds):  # the later rounds, every other one in reverse order (bench forward's --rounds)
-        for _, fn, kind, times, _ in (timed[::-1] if r % 2 else timed):
-            for p in args.protocols:
-                times[p] += records.cuda_times(fn, args.repeat, args.warmup, kind=kind, protocol=p)
+    time_later_rounds(args, rounds, [(fn, kind, times) for _, fn, kind, times, _ in timed])
     for row_base, _, _, times, err in timed:
         for protocol, samples in times.items():
             ms = statistics.median(samples)
@@ -114,6 +99,24 @@ def _decode_one(args, m: int, rows: list[dict], rng) -> None:
             rows.append({**row, "rounds": rounds} if rounds > 1 else row)
             print(f"  {row['impl']:<16} splits={row.get('num_splits', '-')!s:<5} {protocol:<10} {ms * 1e3:9.1f} us  "
                   f"{row['gbps']:7.0f} GB/s  {row['x_read_once']:.2f}x copy time  max|diff|={err:.1e}", flush=True)
+
+
+def _sdpa_calls(q, k, v, gqa: bool) -> list:
+    """(impl, call) for each SDPA backend of ``SDPA`` on these CuPy arrays; none without PyTorch."""
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return []
+    tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+
+    def call(backend):
+        if backend is None:
+            return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=gqa)
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=gqa)
+
+    return [(name, lambda backend=backend: call(backend)) for name, backend in SDPA.items()]
 
 
 def _first_round(args, rows: list[dict], timed: list, base: dict, fn, kind: str, result, ref) -> None:

@@ -42,6 +42,7 @@ from . import (
     kernel_function,
     launch_problem,
 )
+from .hopper import is_hopper
 
 KERNEL_FILE = "bwd_r1_smem.cu"  # kernels 1 and 3, and the scalar main kernel
 MMA_FILE = "bwd_r2_mma.cu"  # the main kernel on tensor cores
@@ -71,18 +72,18 @@ class MainKernel:
     @property
     def hopper(self) -> bool:
         """Built for sm_90a alone (wgmma), like the forward's kernels/hopper/ rungs."""
-        return self.file.startswith("hopper/")
+        return is_hopper(self.file)
 
     def shared_bytes(self, d: int) -> int:
-        """Dynamic shared memory: K, V and `stages` Q and dO tiles (rows padded to d + 8, or in wgmma's swizzled
-        layout without padding, plus 1024 B to align it), dS^T, and `stages` L and D vectors."""
+        """Dynamic shared memory: K, V and `stages` Q and dO tiles, dS^T, and `stages` L and D vectors. The
+        mma.sync kernels pad every row by 8 halves (no bank conflicts for ldmatrix); the Hopper ones keep wgmma's
+        swizzled layout unpadded and ask for 1024 B more to align it."""
         if not self.stages:
             return 0
-        if self.hopper:
-            tiles = (2 * self.block_keys + 2 * self.stages * self.block_rows) * d * 2
-            return tiles + self.block_keys * self.block_rows * 2 + 2 * self.stages * self.block_rows * 4 + 1024
-        tiles = (2 * self.block_keys + 2 * self.stages * BLOCK_ROWS) * (d + 8) * 2
-        return tiles + self.block_keys * (BLOCK_ROWS + 8) * 2 + 2 * self.stages * BLOCK_ROWS * 4
+        pad, align = (0, 1024) if self.hopper else (8, 0)
+        keys, rows = self.block_keys, self.block_rows
+        tiles = (2 * keys + 2 * self.stages * rows) * (d + pad) * 2
+        return tiles + keys * (rows + pad) * 2 + 2 * self.stages * rows * 4 + align
 
 
 MAIN_KERNELS = {

@@ -296,16 +296,18 @@ struct WgmmaDesc {
 };
 template <int N>
 struct Wgmma {
-    // d (64 x N) = A B^T (+ d): A (64 x 16) and B (N x 16) K-major in shared memory
-    template <bool BF16>
+    // d (64 x N) = A B^T (+ d): A (64 x 16) and B (N x 16) both K-major (MN false) or both MN-major (MN true, both
+    // transpose flags set: WgmmaT) in shared memory
+    template <bool BF16, bool MN = false>
     static void ss(float* d, u64 da, u64 db, int scale_d) {
         const WgmmaDesc A(da), B(db);
+        auto at = [](const WgmmaDesc& x, int i, int k) { return val<BF16>(MN ? x.mnmajor(k, i) : x.kmajor(i, k)); };
         const int w = (threadIdx.x % 128) / 32, l = threadIdx.x % 32, g = l / 4, t = l % 4;
         for (int j = 0; j < N / 8; ++j)
             for (int e = 0; e < 4; ++e) {
                 const int row = 16 * w + g + 8 * (e / 2), col = 8 * j + 2 * t + e % 2;
                 float x = scale_d ? d[4 * j + e] : 0.f;
-                for (int k = 0; k < 16; ++k) x += val<BF16>(A.kmajor(row, k)) * val<BF16>(B.kmajor(col, k));
+                for (int k = 0; k < 16; ++k) x += at(A, row, k) * at(B, col, k);
                 d[4 * j + e] = x;
             }
     }
@@ -341,18 +343,7 @@ struct Wgmma {
 template <int N>
 struct WgmmaT {
     template <bool BF16>
-    static void ss(float* d, u64 da, u64 db, int scale_d) {
-        const WgmmaDesc A(da), B(db);
-        const int w = (threadIdx.x % 128) / 32, l = threadIdx.x % 32, g = l / 4, t = l % 4;
-        for (int j = 0; j < N / 8; ++j)
-            for (int e = 0; e < 4; ++e) {
-                const int row = 16 * w + g + 8 * (e / 2), col = 8 * j + 2 * t + e % 2;
-                float x = scale_d ? d[4 * j + e] : 0.f;
-                for (int k = 0; k < 16; ++k)
-                    x += Wgmma<N>::template val<BF16>(A.mnmajor(k, row)) * Wgmma<N>::template val<BF16>(B.mnmajor(k, col));
-                d[4 * j + e] = x;
-            }
-    }
+    static void ss(float* d, u64 da, u64 db, int scale_d) { Wgmma<N>::template ss<BF16, true>(d, da, db, scale_d); }
 };
 
 // --- the TMA rungs (kernels/hopper/tma.cuh): mbarriers and tensor copies, synchronous here. An mbarrier's 8 bytes
