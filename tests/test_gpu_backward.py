@@ -62,6 +62,8 @@ def test_kernel_file_has_every_entry_point():
     for name, mk in gbwd.MAIN_KERNELS.items():
         if mk.hopper:
             assert f"{mk.stem}_##DT##_d##D(" in hopper[mk.file], name
+        if mk.dq_tiles:  # its own last kernel reads its tiled dQ buffer back
+            assert "bwd_dq_tiles_##DT##_d##D(" in hopper[mk.file], name
     for dt in ("f16", "bf16"):
         assert f"bwd_dq_{dt}(" in text
         for d in (64, 128):

@@ -12,8 +12,10 @@ Three main kernels, one step apart: ``"smem"`` (``bwd_r1_smem.cu``) uses scalar 
 (``bwd_r3_pipelined.cu``) gives a block twice the keys (half the query-tile loads and dQ atomics per key) and
 copies the next query tile with cp.async while the current one is used. On sm_90 two more: ``"wgmma"``
 (``hopper/bwd_h1_wgmma.cu``) runs the products on Hopper's warpgroup MMAs, two warpgroups of 64 keys with operands
-read from shared memory, and ``"wgmma_overlap"`` (``hopper/bwd_h2_overlap.cu``) computes P and dS while the
-products before them run. ``numpy_backward`` is the schedule in NumPy, for tests and chapter 8.
+read from shared memory, ``"wgmma_overlap"`` (``hopper/bwd_h2_overlap.cu``) computes P and dS while the
+products before them run, and ``"wgmma_bulk"`` (``hopper/bwd_h3_bulk_dq.cu``) hands dQ's additions to the copy
+engine: a warpgroup stages its dQ tile in shared memory and one thread adds it into global memory with one
+``cp.reduce.async.bulk``, instead of every thread issuing atomics. ``numpy_backward`` is the schedule in NumPy, for tests and chapter 8.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ MMA_FILE = "bwd_r2_mma.cu"  # the main kernel on tensor cores
 PIPE_FILE = "bwd_r3_pipelined.cu"  # tensor cores, 128 keys per block, cp.async double buffering
 WGMMA_FILE = "hopper/bwd_h1_wgmma.cu"  # Hopper's warpgroup MMAs (sm_90a), two warpgroups of 64 keys
 OVERLAP_FILE = "hopper/bwd_h2_overlap.cu"  # the same, the exponentials and dS under the running products
-HOPPER_FILES = (WGMMA_FILE, OVERLAP_FILE)
+BULK_FILE = "hopper/bwd_h3_bulk_dq.cu"  # the same, dQ added into global memory by the copy engine
+HOPPER_FILES = (WGMMA_FILE, OVERLAP_FILE, BULK_FILE)
 KERNEL_FILES = (KERNEL_FILE, MMA_FILE, PIPE_FILE, *HOPPER_FILES)
 BLOCK_KEYS = 32  # keys per thread block (BC in bwd_r1_smem.cu; the schedule numpy_backward follows)
 BLOCK_ROWS = 32  # query rows per tile (BR in every file)
@@ -59,7 +62,9 @@ THREADS = 256  # threads of kernels 1 and 3
 @dataclass(frozen=True)
 class MainKernel:
     """A main kernel: its file, function stem, keys per block (BC), threads, and the Q/dO tile buffers it keeps in
-    dynamic shared memory (0: static shared memory only)."""
+    dynamic shared memory (0: static shared memory only). ``dq_tiles``: its fp32 dQ buffer holds each query tile
+    in the order of the kernel's accumulators (``bwd_h3_bulk_dq.cu``), which its own ``bwd_dq_tiles`` kernel reads
+    back, rather than row-major."""
 
     file: str
     stem: str
@@ -68,6 +73,7 @@ class MainKernel:
     stages: int = 0
     min_cc: int = 80  # mma.sync m16n8k16 and cp.async: sm_80 (the smem kernel's file builds for sm_75 too)
     block_rows: int = BLOCK_ROWS  # query rows per tile
+    dq_tiles: bool = False
 
     @property
     def hopper(self) -> bool:
@@ -75,15 +81,23 @@ class MainKernel:
         return is_hopper(self.file)
 
     def shared_bytes(self, d: int) -> int:
-        """Dynamic shared memory: K, V and `stages` Q and dO tiles, dS^T, and `stages` L and D vectors. The
-        mma.sync kernels pad every row by 8 halves (no bank conflicts for ldmatrix); the Hopper ones keep wgmma's
-        swizzled layout unpadded and ask for 1024 B more to align it."""
+        """Dynamic shared memory: K, V and `stages` Q and dO tiles, dS^T, and `stages` L and D vectors (and, with
+        ``dq_tiles``, an fp32 staging tile of dQ). The mma.sync kernels pad every row by 8 halves (no bank
+        conflicts for ldmatrix); the Hopper ones keep wgmma's swizzled layout unpadded and ask for 1024 B more to
+        align it."""
         if not self.stages:
             return 0
         pad, align = (0, 1024) if self.hopper else (8, 0)
         keys, rows = self.block_keys, self.block_rows
         tiles = (2 * keys + 2 * self.stages * rows) * (d + pad) * 2
-        return tiles + keys * (rows + pad) * 2 + 2 * self.stages * rows * 4 + align
+        staging = rows * d * 4 if self.dq_tiles else 0
+        return tiles + keys * (rows + pad) * 2 + 2 * self.stages * rows * 4 + staging + align
+
+    def dq_buffer_shape(self, B: int, H: int, n: int, d: int) -> tuple[int, ...]:
+        """The fp32 dQ accumulator: (B, H, n, d), or whole tiles of ``block_rows`` rows for ``dq_tiles``."""
+        if self.dq_tiles:
+            return (B * H * math.ceil(n / self.block_rows) * self.block_rows * d,)
+        return (B, H, n, d)
 
 
 MAIN_KERNELS = {
@@ -92,6 +106,8 @@ MAIN_KERNELS = {
     "pipe": MainKernel(PIPE_FILE, "bwd_pipe", 128, 256, stages=2),
     "wgmma": MainKernel(WGMMA_FILE, "bwd_wgmma", 128, 256, stages=2, min_cc=90, block_rows=64),
     "wgmma_overlap": MainKernel(OVERLAP_FILE, "bwd_wgmma_overlap", 128, 256, stages=2, min_cc=90, block_rows=64),
+    "wgmma_bulk": MainKernel(BULK_FILE, "bwd_wgmma_bulk", 128, 256, stages=2, min_cc=90, block_rows=64,
+                             dq_tiles=True),
 }
 KERNELS = tuple(MAIN_KERNELS)
 DEFAULT_KERNEL = "pipe"  # the fastest kernel measured on a GPU (data/ch8/bwd.json: 0.57x sdpa_flash; "mma" 0.42x)
@@ -164,9 +180,10 @@ def numpy_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: float | 
 
 def _kernels(dt: str, d: int, kernel: str):
     mk = MAIN_KERNELS[kernel]
+    dq = kernel_function(mk.file, f"bwd_dq_tiles_{dt}_d{d}") if mk.dq_tiles else kernel_function(KERNEL_FILE,
+                                                                                                  f"bwd_dq_{dt}")
     return (kernel_function(KERNEL_FILE, f"bwd_dot_{dt}_d{d}"),
-            kernel_function(mk.file, f"{mk.stem}_{dt}_d{d}", shared_bytes=mk.shared_bytes(d)),
-            kernel_function(KERNEL_FILE, f"bwd_dq_{dt}"))
+            kernel_function(mk.file, f"{mk.stem}_{dt}_d{d}", shared_bytes=mk.shared_bytes(d)), dq)
 
 
 def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: float | None = None,
@@ -179,10 +196,12 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: floa
     (lse float32, -inf for a row that saw no key); do is the gradient of the loss with respect to o (o's shape and
     dtype). ``causal`` and ``scale`` must be the forward's. Returns arrays of q's, k's and v's shapes and dtype;
     with grouped-query attention dk and dv are summed over the query heads that share a K/V head.
-    Accumulation is fp32; dq is summed with fp32 atomics, so its last bits vary from run to run.
+    Accumulation is fp32; dq is summed with fp32 atomics (or bulk additions), so its last bits vary from run to
+    run.
     ``kernel``: "smem" (scalar fp32 FMAs, the first version; P and dS stay fp32), "mma" (tensor cores; P and dS
     are rounded to 16 bits before their products, as in FlashAttention-2), "pipe" ("mma" with 128 keys per block
-    and cp.async double buffering), "wgmma" and "wgmma_overlap" (Hopper's warpgroup MMAs; sm_90 only) or "best"
+    and cp.async double buffering), "wgmma", "wgmma_overlap" and "wgmma_bulk" (Hopper's warpgroup MMAs; sm_90
+    only) or "best"
     (the default): the fastest this GPU runs, ``plan_backward``.
     ``out`` = (dq, dk, dv) writes into given arrays instead of allocating them; ``workspace`` (a
     ``flashlab.gpu.Workspace``) keeps the fp32 dq accumulator and the D vector from call to call. With both, a
@@ -210,6 +229,8 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: floa
     B, H, n = (1, 1, q.shape[0]) if q.ndim == 2 else q.shape[:3]
     Hk, m = (1, k.shape[0]) if k.ndim == 2 else k.shape[1:3]
     dot, main, dq_convert = _kernels(dt, d, kernel)
+    mk = MAIN_KERNELS[kernel]
+    acc_shape = mk.dq_buffer_shape(B, H, n, d)
     rows = B * H * n
     if out is None:
         dq, dk, dv = cp.empty_like(q), cp.empty_like(k), cp.empty_like(v)
@@ -219,18 +240,22 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: floa
             _check_out(name, x, like.shape, like.dtype)
     if workspace is None:
         dvec = cp.empty(q.shape[:-1], dtype=cp.float32)
-        dq_acc = cp.zeros(q.shape, dtype=cp.float32)
+        dq_acc = cp.zeros(acc_shape, dtype=cp.float32)
     else:
         dvec = workspace.get("bwd_d", q.shape[:-1], cp.float32)
-        dq_acc = workspace.get("bwd_dq_acc", q.shape, cp.float32)
+        dq_acc = workspace.get("bwd_dq_acc", acc_shape, cp.float32)
         dq_acc.fill(0)  # a memset on the stream, no kernel
     dot((math.ceil(rows / (THREADS // 32)),), (THREADS,), (o, do, dvec, np.int32(rows)))
     args = (q, k, v, do, lse, dvec, dq_acc, dk, dv, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk),
             np.float32(scale), np.int32(bool(causal)))
-    mk = MAIN_KERNELS[kernel]
     main((math.ceil(m / mk.block_keys), Hk, B), (mk.threads,), args, shared_mem=mk.shared_bytes(d))
-    total = dq_acc.size
-    dq_convert((math.ceil(total / THREADS),), (THREADS,), (dq_acc, dq, np.float32(scale), np.int64(total)))
+    if mk.dq_tiles:
+        pairs = rows * d // 2
+        dq_convert((math.ceil(pairs / THREADS),), (THREADS,), (dq_acc, dq, np.float32(scale), np.int32(n),
+                                                              np.int64(pairs)))
+    else:
+        total = dq_acc.size
+        dq_convert((math.ceil(total / THREADS),), (THREADS,), (dq_acc, dq, np.float32(scale), np.int64(total)))
     return dq, dk, dv
 
 

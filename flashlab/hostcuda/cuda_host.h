@@ -270,6 +270,18 @@ inline void pin(float*) {}
 template <int NREG>
 inline void hold(const unsigned*) {}
 inline void fence_to_tensor_cores() {}
+// The copy engine's bulk reduction (cp.reduce.async.bulk .add.f32), done when the call returns: a missing wait
+// before its staging tile is written again does not show here (compute-sanitizer racecheck on a GPU).
+inline void bulk_reduce_add(float* dst, unsigned src, unsigned bytes) {
+    std::lock_guard<std::mutex> g(g_atomic);
+    const float* from = (const float*)smem_ptr(src);
+    for (unsigned i = 0; i < bytes / 4; ++i) dst[i] += from[i];
+}
+inline void bulk_commit() {}
+template <int N>
+inline void bulk_wait_read() {}
+template <int N>
+inline void bulk_wait() {}
 inline unsigned g_wg_a[8][128][4];  // the A fragments of each warpgroup's threads (register-A wgmma)
 inline void warpgroup_sync() {
     if (g_wg_bar.empty()) hostcuda_needs_threads("a warpgroup operation (wgmma)");

@@ -57,3 +57,22 @@ __device__ __forceinline__ void hold(const u32* r) {
 #pragma unroll
     for (int i = 0; i < NREG; ++i) asm volatile("" ::"r"(r[i]) : "memory");
 }
+
+// The copy engine (TMA) adds `bytes` (a multiple of 16) of fp32 values from shared memory into global memory (both
+// 16-byte aligned), as one bulk operation of the issuing thread; commit closes the thread's group of them.
+__device__ __forceinline__ void bulk_reduce_add(float* dst, u32 src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst), "r"(src),
+                 "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Wait until at most N of this thread's groups are still reading shared memory (.read: their sources may be
+// written again) or, for bulk_wait, still running at all.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+}
