@@ -10,12 +10,13 @@ and adds its share of dQ into an fp32 buffer with atomics; a last kernel scales 
 Three main kernels, one step apart: ``"smem"`` (``bwd_r1_smem.cu``) uses scalar fp32 FMAs on shared-memory tiles
 (correctness first); ``"mma"`` (``bwd_r2_mma.cu``) runs the five tile products on tensor cores; ``"pipe"``
 (``bwd_r3_pipelined.cu``) gives a block twice the keys (half the query-tile loads and dQ atomics per key) and
-copies the next query tile with cp.async while the current one is used. On sm_90 two more: ``"wgmma"``
+copies the next query tile with cp.async while the current one is used. On sm_90 three more: ``"wgmma"``
 (``hopper/bwd_h1_wgmma.cu``) runs the products on Hopper's warpgroup MMAs, two warpgroups of 64 keys with operands
 read from shared memory, ``"wgmma_overlap"`` (``hopper/bwd_h2_overlap.cu``) computes P and dS while the
 products before them run, and ``"wgmma_bulk"`` (``hopper/bwd_h3_bulk_dq.cu``) hands dQ's additions to the copy
 engine: a warpgroup stages its dQ tile in shared memory and one thread adds it into global memory with one
-``cp.reduce.async.bulk``, instead of every thread issuing atomics. ``numpy_backward`` is the schedule in NumPy, for tests and chapter 8.
+``cp.reduce.async.bulk``, instead of every thread issuing atomics. ``numpy_backward`` is the schedule in NumPy,
+for tests and chapter 8.
 """
 
 from __future__ import annotations
