@@ -173,6 +173,62 @@ def emulated_attention(q, k, v, *, causal: bool = False, scale: float | None = N
     return o, lse
 
 
+
+def emulated_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: float | None = None,
+                      kernel: str = "wgmma"):
+    """A Hopper backward kernel (``flashlab.gpu.backward``'s ``"wgmma"``, ``"wgmma_overlap"`` or ``"wgmma_bulk"``)
+    run on the CPU under the host emulation, with the same three kernels ``attention_backward`` launches (D, the
+    main kernel, dQ's scaling and rounding). float16 NumPy arrays shaped as for :func:`emulated_attention`, o and
+    lse as the forward returned them (lse float32); returns ``(dq, dk, dv)`` in float16. Slow: small shapes only."""
+    from .. import hostcuda
+    from .._checks import check_scale
+    from . import HEAD_DIMS
+    from . import backward as gbwd
+
+    if problem := emulation_problem():
+        raise RuntimeError(f"the host emulation needs a C++20 compiler: {problem}")
+    mk = gbwd.MAIN_KERNELS.get(kernel)
+    if mk is None or not mk.hopper:
+        raise ValueError(f"kernel must be one of {[n for n, x in gbwd.MAIN_KERNELS.items() if x.hopper]}; "
+                         f"got {kernel!r}")
+    q, k, v, o, do = (np.ascontiguousarray(x) for x in (q, k, v, o, do))
+    if any(x.dtype != np.float16 for x in (q, k, v, o, do)) or not (q.ndim == k.ndim == v.ndim and q.ndim in (2, 4)):
+        raise TypeError("expected float16 NumPy arrays, all (n, d) or all (batch, heads, n, d)")
+    d = q.shape[-1]
+    if d not in HEAD_DIMS or k.shape[-1] != d or k.shape != v.shape or o.shape != q.shape or do.shape != q.shape:
+        raise ValueError(f"expected d in {HEAD_DIMS}, k and v of one shape, o and do of q's; got q {q.shape}, "
+                         f"k {k.shape}, v {v.shape}, o {o.shape}, do {do.shape}")
+    lse = np.ascontiguousarray(lse, dtype=np.float32)
+    if lse.shape != q.shape[:-1]:
+        raise ValueError(f"lse must have shape {q.shape[:-1]}; got {lse.shape}")
+    B, H, n = (1, 1, q.shape[0]) if q.ndim == 2 else q.shape[:3]
+    Hk, m = (1, k.shape[0]) if k.ndim == 2 else k.shape[1:3]
+    if H % Hk:
+        raise ValueError(f"k/v heads must divide q heads; got {Hk} and {H}")
+    sc = check_scale(scale, d)
+    main_name, dq_name = f"{mk.stem}_f16_d{d}", f"bwd_dq_tiles_f16_d{d}" if mk.dq_tiles else "bwd_dq_f16"
+    lib = hostcuda.library(hostcuda.host_source(inlined_source(mk.file)),
+                           (main_name, dq_name) if mk.dq_tiles else (main_name,))
+    base = hostcuda.library(hostcuda.host_source((KERNEL_DIR / gbwd.KERNEL_FILE).read_text()),
+                            (f"bwd_dot_f16_d{d}", "bwd_dq_f16"))
+    rows, threads = B * H * n, gbwd.THREADS
+    dvec = np.zeros(q.shape[:-1], np.float32)
+    hostcuda.Kernel(base, f"bwd_dot_f16_d{d}")((-(-rows // (threads // 32)), 1, 1), (threads,),
+                                               (o, do, dvec, np.int32(rows)))
+    acc = np.zeros(mk.dq_buffer_shape(B, H, n, d), np.float32)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    hostcuda.Kernel(lib, main_name)((-(-m // mk.block_keys), Hk, B), (mk.threads,),
+                                    (q, k, v, do, lse, dvec, acc, dk, dv, np.int32(n), np.int32(m), np.int32(H),
+                                     np.int32(Hk), np.float32(sc), np.int32(bool(causal))))
+    if mk.dq_tiles:
+        pairs = rows * d // 2
+        hostcuda.Kernel(lib, dq_name)((-(-pairs // threads), 1, 1), (threads,),
+                                      (acc, dq, np.float32(sc), np.int32(n), np.int64(pairs)))
+    else:
+        hostcuda.Kernel(base, dq_name)((-(-acc.size // threads), 1, 1), (threads,),
+                                       (acc, dq, np.float32(sc), np.int64(acc.size)))
+    return dq, dk, dv
+
 # ------------------------------------------------------------------------------------------- tensor maps (TMA)
 #: The files whose kernels take tensor maps for q, k and v instead of pointers.
 TMA_FILES = hopper_files_from("tma") | {HOPPER_SPARSE_FILE}  # H2 on, and the block-sparse kernel
