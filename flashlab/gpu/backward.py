@@ -250,10 +250,10 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: floa
     args = (q, k, v, do, lse, dvec, dq_acc, dk, dv, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk),
             np.float32(scale), np.int32(bool(causal)))
     main((math.ceil(m / mk.block_keys), Hk, B), (mk.threads,), args, shared_mem=mk.shared_bytes(d))
-    if mk.dq_tiles:
-        pairs = rows * d // 2
-        dq_convert((math.ceil(pairs / THREADS),), (THREADS,), (dq_acc, dq, np.float32(scale), np.int32(n),
-                                                              np.int64(pairs)))
+    if mk.dq_tiles:  # one thread per 16 bytes of the tiled buffer
+        blocks = dq_acc.size // 4
+        dq_convert((math.ceil(blocks / THREADS),), (THREADS,), (dq_acc, dq, np.float32(scale), np.int32(n),
+                                                               np.int64(blocks)))
     else:
         total = dq_acc.size
         dq_convert((math.ceil(total / THREADS),), (THREADS,), (dq_acc, dq, np.float32(scale), np.int64(total)))

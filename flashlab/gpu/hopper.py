@@ -220,10 +220,10 @@ def emulated_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: float
     hostcuda.Kernel(lib, main_name)((-(-m // mk.block_keys), Hk, B), (mk.threads,),
                                     (q, k, v, do, lse, dvec, acc, dk, dv, np.int32(n), np.int32(m), np.int32(H),
                                      np.int32(Hk), np.float32(sc), np.int32(bool(causal))))
-    if mk.dq_tiles:
-        pairs = rows * d // 2
-        hostcuda.Kernel(lib, dq_name)((-(-pairs // threads), 1, 1), (threads,),
-                                      (acc, dq, np.float32(sc), np.int32(n), np.int64(pairs)))
+    if mk.dq_tiles:  # one thread per 16 bytes of the tiled buffer
+        blocks = acc.size // 4
+        hostcuda.Kernel(lib, dq_name)((-(-blocks // threads), 1, 1), (threads,),
+                                      (acc, dq, np.float32(sc), np.int32(n), np.int64(blocks)))
     else:
         hostcuda.Kernel(base, dq_name)((-(-acc.size // threads), 1, 1), (threads,),
                                        (acc, dq, np.float32(sc), np.int64(acc.size)))

@@ -12,14 +12,18 @@
 //   3. before the staging tile is written again, a step later, that thread waits until the engine has read it.
 // The buffer the engine adds into must then hold each tile in the staging tile's order, the accumulators' order
 // (the "tiled" dQ buffer below) rather than row-major; the last kernel, bwd_dq_tiles, reads it back in that order
-// while it scales and rounds dQ. Everything else (the schedule, the products, the overlap) is bwd_h2_overlap.cu's.
+// while it scales and rounds dQ. One consequence: on sm_90 a thread's wait for its cp.async groups and its wait for
+// its bulk groups are one instruction on one counter (ptxas makes both DEPBAR on scoreboard SB0), so a thread that
+// issued both kinds would, at the top of every step, wait for the engine's addition too. The two threads that talk
+// to the engine (the first of each warpgroup) therefore copy nothing; the other 254 issue every tile's cp.async.
+// Everything else (the schedule, the products, the overlap) is bwd_h2_overlap.cu's.
 //
 // The tiled dQ buffer: fp32, B H ceil(n / 64) tiles of 64 x D, tile (b, h, q0 / 64) at ((b H + h) tiles + q0 / 64)
 // 64 D. Within a tile, warpgroup w's half (columns w D / 2 ..) is 64 D / 2 floats from w 64 D / 2 on; in it,
 // thread i of the warpgroup keeps the 4 floats of its accumulator block j at (j 128 + i) 4. Rows past n (the last
 // tile) get zeros added: their Q and dO rows were loaded as zeros and their L as +inf, so their dS is 0.
 // Grid and arguments as bwd_h2_overlap.cu; dynamic shared memory: that kernel's and the staging tile, 64 D 4 bytes
-// (182,272 B at D = 128, 100,352 B at D = 64). bwd_dq_tiles: one thread per two columns of a row of dQ.
+// (182,272 B at D = 128, 100,352 B at D = 64). bwd_dq_tiles: one thread per 16 bytes of the tiled buffer.
 #include "wgmma.cuh"
 #include "tma.cuh"  // named barriers
 #include "backward.cuh"
@@ -30,12 +34,16 @@
 #define BC 128  // keys per block: 64 per warpgroup
 #define BR 64   // query rows per tile
 #define LOG2E 1.4426950408889634f
+#define NL (NT - 2)  // the threads that copy: all but the first of each warpgroup
 
-// Issue the copies of rows r0 .. r0 + ROWS - 1 of a [*][D] matrix (zeros past row `rows`) into a swizzled tile.
+// Issue the copies of rows r0 .. r0 + ROWS - 1 of a [*][D] matrix (zeros past row `rows`) into a swizzled tile,
+// spread over the NL copying threads.
 template <int D, int ROWS>
 __device__ __forceinline__ void load_tile(u32 dst, const u16* src, int r0, int rows) {
+    if (threadIdx.x % 128 == 0) return;
+    const int first = threadIdx.x - 1 - (threadIdx.x > 128);  // 0 .. NL - 1
 #pragma unroll
-    for (int e = threadIdx.x; e < ROWS * D / 8; e += NT) {
+    for (int e = first; e < ROWS * D / 8; e += NL) {
         const int r = e / (D / 8), c = e % (D / 8);
         const bool valid = r0 + r < rows;
         cp_async16(dst + tile_offset<ROWS>(r, c), src + (size_t)(valid ? r0 + r : 0) * D + c * 8, valid);
@@ -102,7 +110,7 @@ __device__ void bwd_wgmma_bulk(const u16* __restrict__ q, const u16* __restrict_
         const u32 qs = qbuf + buf * BR * D * 2, dos = dobuf + buf * BR * D * 2;
         const float* lsm = lbuf + buf * BR;
         const float* dsm = dbuf + buf * BR;
-        cp_async_wait<0>();      // this thread's copies of step i (and of K, V) have landed
+        if (!issuer) cp_async_wait<0>();  // this thread's copies of step i (and of K, V) have landed
         fence_to_tensor_cores();  // ... and are visible to wgmma
         __syncthreads();         // everyone's are; step i - 1 is done with buffer (i + 1) % 2 and with dS^T
         if (i + 1 < steps) prefetch(i + 1);
@@ -223,8 +231,8 @@ __device__ void bwd_wgmma_bulk(const u16* __restrict__ q, const u16* __restrict_
         }
         if (i + 1 < steps) store_vec((i + 1) & 1);  // buffer (i + 1) % 2 has been free since this step's first barrier
     }
-    cp_async_wait<0>();  // (steps = 0: the K and V copies are still owed)
     if (issuer) bulk_wait<0>();  // the block's shared memory must outlive the engine's last read
+    else cp_async_wait<0>();     // (steps = 0: the K and V copies are still owed)
 
     // dK (scaled here) and dV of this warpgroup's keys: element e of block j is key kw + 16 warp + g + 8 (e / 2),
     // column 8 j + 2 t + e % 2; two neighbouring columns are written as one 32-bit word.
@@ -242,24 +250,23 @@ __device__ void bwd_wgmma_bulk(const u16* __restrict__ q, const u16* __restrict_
     }
 }
 
-// dQ = scale dQ_acc, rounded: thread p takes columns 2 c, 2 c + 1 of row r of head bh (p = (bh n + r) D / 2 + c)
-// and finds them in the tiled buffer by inverting the main kernel's store (two neighbouring columns are
-// neighbouring floats there).
+// dQ = scale dQ_acc, rounded: thread p reads the p-th 16 bytes of the tiled buffer (consecutive threads,
+// consecutive bytes), the main kernel's accumulator block j of thread i of warpgroup w in tile T, and writes its
+// four values where they belong: rows 16 warp + g and + 8 of the tile, columns w D / 2 + 8 j + 2 t and + 1.
 template <class Ty, int D>
 __device__ void bwd_dq_tiles(const float* __restrict__ acc, u16* __restrict__ dq, float scale, int n,
-                             long long pairs) {
+                             long long blocks) {
     const long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (p >= pairs) return;
+    if (p >= blocks) return;
     constexpr int NQ = D / 2;
-    const int c = (int)(p % (D / 2)) * 2;
-    const long long row = p / (D / 2);  // bh n + r
-    const long long bh = row / n;
-    const int r = (int)(row % n), rr = r % BR, ntiles = (n + BR - 1) / BR;
-    const int wg = c / NQ, cc = c % NQ, j = cc / 8;
-    const int thread = 32 * (rr / 16) + 4 * (rr % 8) + (cc % 8) / 2;  // warp, g, t of the accumulator layout
-    const float2 x = *(const float2*)(acc + (bh * ntiles + r / BR) * (BR * D) + wg * (BR * NQ) + (j * 128 + thread) * 4 +
-                                      2 * ((rr % 16) / 8));
-    *(u32*)(dq + row * D + c) = Ty::pack(scale * x.x, scale * x.y);
+    const int i = (int)(p % 128), j = (int)(p / 128 % (NQ / 8)), w = (int)(p / (128 * (NQ / 8)) % 2);
+    const long long tile = p / (128 * (NQ / 8) * 2);  // (b H + h) ntiles + q0 / BR
+    const int ntiles = (n + BR - 1) / BR;
+    const long long bh = tile / ntiles;
+    const int r = (int)(tile % ntiles) * BR + 16 * (i / 32) + (i % 32) / 4, c = w * NQ + 8 * j + 2 * (i % 4);
+    const float4 x = *(const float4*)(acc + 4 * p);
+    if (r < n) *(u32*)(dq + (bh * n + r) * D + c) = Ty::pack(scale * x.x, scale * x.y);
+    if (r + 8 < n) *(u32*)(dq + (bh * n + r + 8) * D + c) = Ty::pack(scale * x.z, scale * x.w);
 }
 
 #define DEFINE_KERNELS(DT, TY, D)                                                                                     \
@@ -270,8 +277,8 @@ __device__ void bwd_dq_tiles(const float* __restrict__ acc, u16* __restrict__ dq
         bwd_wgmma_bulk<TY, D>(q, k, v, dout, lse, dvec, dq_acc, dk, dv, n, m, H, Hk, scale, causal);                  \
     }                                                                                                                 \
     extern "C" __global__ void bwd_dq_tiles_##DT##_d##D(const float* acc, u16* dq, float scale, int n,                \
-                                                       long long pairs) {                                             \
-        bwd_dq_tiles<TY, D>(acc, dq, scale, n, pairs);                                                                \
+                                                       long long blocks) {                                            \
+        bwd_dq_tiles<TY, D>(acc, dq, scale, n, blocks);                                                               \
     }
 
 DEFINE_KERNELS(f16, F16, 64)
