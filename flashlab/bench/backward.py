@@ -112,13 +112,14 @@ def format_rows(rows: list[dict]) -> str:
         return (r.get("dtype", "float16"), r["d"], r["n"], r["causal"])
 
     times = median_times(rows, key=key)
+    width = max((len(r["impl"]) for r in rows), default=12)
     lines = []
     for r in rows:
         if "error" in r:
             lines.append(error_line(r))
             continue
         flash, cudnn = ratio_cells(r, times, key=key)
-        lines.append(f"{r['impl']:<12} {key(r)[0]:<8} d={r['d']:<4} n={r['n']:<6} causal={r['causal']!s:<5} "
+        lines.append(f"{r['impl']:<{width}} {key(r)[0]:<8} d={r['d']:<4} n={r['n']:<6} causal={r['causal']!s:<5} "
                      f"{records.protocol_of(r):<10} {r['median_ms']:9.3f} ms {r['tflops']:8.2f} TFLOP/s "
                      f"x{flash:>5} sdpa_flash x{cudnn:>5} sdpa_cudnn")
     return "\n".join(lines)
