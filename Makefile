@@ -83,10 +83,10 @@ bench-forward: setup
 bench-backward: setup
 	$(BENCH) backward --n 4096 16384 --causal no --impls sdpa_flash ours_pipe ours_mma sdpa_cudnn --repeat 20 --warmup 3
 
-# Hopper (H100, H200 only): the three wgmma backward kernels against "pipe" and SDPA's two backends, d 64 and 128,
+# Hopper (H100, H200 only): the four wgmma backward kernels against "pipe" and SDPA's two backends, d 64 and 128,
 # causal and not, fp16 and bf16, both orders (--rounds 2).
 bench-backward-hopper: setup
-	$(BENCH) backward --name bwd_hopper --impls sdpa_flash ours_wgmma ours_wgmma_overlap ours_wgmma_bulk ours_pipe sdpa_cudnn \
+	$(BENCH) backward --name bwd_hopper --impls sdpa_flash ours_wgmma ours_wgmma_overlap ours_wgmma_bulk ours_wgmma_balanced ours_pipe sdpa_cudnn \
 	    --d 64 128 --n 4096 16384 --causal both --dtypes float16 bfloat16 --repeat 20 --warmup 3 --rounds 2
 
 # Rungs 6 and 8 with one change undone at a time (chapter 7).
@@ -232,7 +232,7 @@ GMMA_STALLS := $(STALLS),sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_s
 profile-backward-hopper: setup
 	mkdir -p build data/raw/ncu
 	$(PROFILE) provenance --command "make profile-backward-hopper" > build/ncu_provenance.json
-	for impl in wgmma wgmma_overlap wgmma_bulk; do for d in 64 128; do $(NCU) -k regex:bwd_wgmma $(GMMA_STALLS) \
+	for impl in wgmma wgmma_overlap wgmma_bulk wgmma_balanced; do for d in 64 128; do $(NCU) -k regex:bwd_wgmma $(GMMA_STALLS) \
 	    $(PROFILE) --pass backward --impl $$impl --d $$d --n 4096 --batch 4; done; done > data/raw/ncu/ncu_bwd_wgmma.csv
 	$(call ncu_summary,ncu_bwd_wgmma.csv,stalls_bwd_wgmma)
 

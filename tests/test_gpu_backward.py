@@ -51,6 +51,39 @@ def test_causal_skipping_visits_only_tiles_with_a_visible_key():
             assert qstart <= first_row < qstart + gbwd.BLOCK_ROWS and first_row < n, (n, m, k0)
 
 
+def test_block_order_numbers_every_block_once_longest_first_within_a_group():
+    for key_blocks, heads in ((1, 1), (8, 5), (32, 64), (3, 7)):
+        for group in (1, 2, 3, heads, heads + 4):
+            order = gbwd.block_order(key_blocks, heads, group)
+            every = [(kb, h) for kb in range(key_blocks) for h in range(heads)]
+            assert sorted(order) == every, (key_blocks, heads, group)
+            for g0 in range(0, heads, group):  # a group's blocks are contiguous, key block by key block
+                mine = [i for i, (_, h) in enumerate(order) if g0 <= h < g0 + group]
+                assert mine == list(range(mine[0], mine[0] + len(mine)))
+                kbs = [order[i][0] for i in mine]
+                assert kbs == sorted(kbs)
+    assert gbwd.block_order(4, 3, 1) == [(kb, h) for h in range(3) for kb in range(4)]  # the other kernels' order
+    with pytest.raises(ValueError, match="at least 1"):
+        gbwd.block_order(4, 3, 0)
+
+
+def test_balanced_order_shortens_the_causal_tail_on_132_sms():
+    """The prediction behind bwd_h4_balanced.cu, by greedy list scheduling: at n = 4096 (16 heads, batch 4) the
+    default order ends more than 5 % after the even share of the work, longest first within 1 %."""
+    n, heads, sms = 4096, 64, 132
+    key_blocks = n // 128
+
+    def work(kb):  # query tiles of 64 rows a causal key block visits, and a little per block
+        return n // 64 - 2 * kb + 0.5
+
+    even = sum(work(kb) for kb in range(key_blocks)) * heads / sms
+    group = gbwd.balanced_group(key_blocks, heads, causal=True)
+    default = gbwd.makespan([work(kb) for kb, _ in gbwd.block_order(key_blocks, heads, 1)], sms)
+    balanced = gbwd.makespan([work(kb) for kb, _ in gbwd.block_order(key_blocks, heads, group)], sms)
+    assert default > 1.05 * even and balanced < 1.01 * even, (default / even, balanced / even, group)
+    assert group == heads and gbwd.balanced_group(key_blocks, heads, causal=False) == 1
+
+
 def test_kernel_file_has_every_entry_point():
     from flashlab.gpu import KERNEL_DIR
 

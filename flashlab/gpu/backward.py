@@ -10,13 +10,14 @@ and adds its share of dQ into an fp32 buffer with atomics; a last kernel scales 
 Three main kernels, one step apart: ``"smem"`` (``bwd_r1_smem.cu``) uses scalar fp32 FMAs on shared-memory tiles
 (correctness first); ``"mma"`` (``bwd_r2_mma.cu``) runs the five tile products on tensor cores; ``"pipe"``
 (``bwd_r3_pipelined.cu``) gives a block twice the keys (half the query-tile loads and dQ atomics per key) and
-copies the next query tile with cp.async while the current one is used. On sm_90 three more: ``"wgmma"``
+copies the next query tile with cp.async while the current one is used. On sm_90 four more: ``"wgmma"``
 (``hopper/bwd_h1_wgmma.cu``) runs the products on Hopper's warpgroup MMAs, two warpgroups of 64 keys with operands
 read from shared memory, ``"wgmma_overlap"`` (``hopper/bwd_h2_overlap.cu``) computes P and dS while the
-products before them run, and ``"wgmma_bulk"`` (``hopper/bwd_h3_bulk_dq.cu``) hands dQ's additions to the copy
-engine: a warpgroup stages its dQ tile in shared memory and one thread adds it into global memory with one
-``cp.reduce.async.bulk``, instead of every thread issuing atomics. ``numpy_backward`` is the schedule in NumPy,
-for tests and chapter 8.
+products before them run, ``"wgmma_bulk"`` (``hopper/bwd_h3_bulk_dq.cu``) hands dQ's additions to the copy
+engine (a warpgroup stages its dQ tile in shared memory and one thread adds it into global memory with one
+``cp.reduce.async.bulk``, instead of every thread issuing atomics), and ``"wgmma_balanced"``
+(``hopper/bwd_h4_balanced.cu``) starts the longest causal blocks first (``block_order``). ``numpy_backward`` is the
+schedule in NumPy, for tests and chapter 8.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ PIPE_FILE = "bwd_r3_pipelined.cu"  # tensor cores, 128 keys per block, cp.async 
 WGMMA_FILE = "hopper/bwd_h1_wgmma.cu"  # Hopper's warpgroup MMAs (sm_90a), two warpgroups of 64 keys
 OVERLAP_FILE = "hopper/bwd_h2_overlap.cu"  # the same, the exponentials and dS under the running products
 BULK_FILE = "hopper/bwd_h3_bulk_dq.cu"  # the same, dQ added into global memory by the copy engine
-HOPPER_FILES = (WGMMA_FILE, OVERLAP_FILE, BULK_FILE)
+BALANCED_FILE = "hopper/bwd_h4_balanced.cu"  # the same, causal blocks started longest first
+HOPPER_FILES = (WGMMA_FILE, OVERLAP_FILE, BULK_FILE, BALANCED_FILE)
 KERNEL_FILES = (KERNEL_FILE, MMA_FILE, PIPE_FILE, *HOPPER_FILES)
 BLOCK_KEYS = 32  # keys per thread block (BC in bwd_r1_smem.cu; the schedule numpy_backward follows)
 BLOCK_ROWS = 32  # query rows per tile (BR in every file)
@@ -65,7 +67,8 @@ class MainKernel:
     """A main kernel: its file, function stem, keys per block (BC), threads, and the Q/dO tile buffers it keeps in
     dynamic shared memory (0: static shared memory only). ``dq_tiles``: its fp32 dQ buffer holds each query tile
     in the order of the kernel's accumulators (``bwd_h3_bulk_dq.cu``), which its own ``bwd_dq_tiles`` kernel reads
-    back, rather than row-major."""
+    back, rather than row-major. ``grouped``: it takes one more argument, the heads of a group of its block order
+    (``block_order``, ``bwd_h4_balanced.cu``)."""
 
     file: str
     stem: str
@@ -75,6 +78,7 @@ class MainKernel:
     min_cc: int = 80  # mma.sync m16n8k16 and cp.async: sm_80 (the smem kernel's file builds for sm_75 too)
     block_rows: int = BLOCK_ROWS  # query rows per tile
     dq_tiles: bool = False
+    grouped: bool = False
 
     @property
     def hopper(self) -> bool:
@@ -109,6 +113,8 @@ MAIN_KERNELS = {
     "wgmma_overlap": MainKernel(OVERLAP_FILE, "bwd_wgmma_overlap", 128, 256, stages=2, min_cc=90, block_rows=64),
     "wgmma_bulk": MainKernel(BULK_FILE, "bwd_wgmma_bulk", 128, 256, stages=2, min_cc=90, block_rows=64,
                              dq_tiles=True),
+    "wgmma_balanced": MainKernel(BALANCED_FILE, "bwd_wgmma_balanced", 128, 256, stages=2, min_cc=90,
+                                 block_rows=64, dq_tiles=True, grouped=True),
 }
 KERNELS = tuple(MAIN_KERNELS)
 DEFAULT_KERNEL = "pipe"  # the fastest kernel measured on a GPU (data/ch8/bwd.json: 0.57x sdpa_flash; "mma" 0.42x)
@@ -179,6 +185,43 @@ def numpy_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: float | 
     return dq, dk, dv
 
 
+def block_order(key_blocks: int, heads: int, group: int) -> list[tuple[int, int]]:
+    """(key block, head) of each block of ``bwd_h4_balanced.cu`` in the order the GPU starts them (their linear
+    index): groups of ``group`` heads, and within a group every head's key block 0, then every head's key block 1,
+    and so on. ``group`` = 1 is the order of the other kernels (a head's key blocks, then the next head's). "head"
+    counts (batch entry, K/V head) pairs: hk + Hk b."""
+    if key_blocks < 1 or heads < 1 or group < 1:
+        raise ValueError(f"key_blocks, heads and group must be at least 1; got {key_blocks}, {heads}, {group}")
+    order = []
+    for linear in range(key_blocks * heads):  # the kernel's arithmetic, line for line
+        g0 = linear // (key_blocks * group) * group
+        gs = min(group, heads - g0)
+        within = linear - g0 * key_blocks
+        order.append((within // gs, g0 + within % gs))
+    return order
+
+
+def balanced_group(key_blocks: int, heads: int, causal: bool) -> int:
+    """The heads of a group in ``bwd_h4_balanced.cu``'s order: with the causal mask all of them (every head's first
+    key block, the longest, starts first: by greedy list scheduling the most even order of the ones
+    ``block_order`` offers, ``makespan``); without it 1, the other kernels' order (every block is as long as every
+    other, and the blocks of a head that run together share its Q and dO tiles in L2)."""
+    if key_blocks < 1 or heads < 1:
+        raise ValueError(f"key_blocks and heads must be at least 1; got {key_blocks}, {heads}")
+    return heads if causal else 1
+
+
+def makespan(durations, sm_count: int) -> float:
+    """When the last block ends if each SM takes the next block in the list as soon as it is free (greedy list
+    scheduling, one block per SM at a time: the Hopper backward kernels' occupancy)."""
+    import heapq
+
+    free = [0.0] * sm_count
+    for t in durations:
+        heapq.heappush(free, heapq.heappop(free) + t)
+    return max(free)
+
+
 def _kernels(dt: str, d: int, kernel: str):
     mk = MAIN_KERNELS[kernel]
     dq = kernel_function(mk.file, f"bwd_dq_tiles_{dt}_d{d}") if mk.dq_tiles else kernel_function(KERNEL_FILE,
@@ -201,8 +244,8 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: floa
     run.
     ``kernel``: "smem" (scalar fp32 FMAs, the first version; P and dS stay fp32), "mma" (tensor cores; P and dS
     are rounded to 16 bits before their products, as in FlashAttention-2), "pipe" ("mma" with 128 keys per block
-    and cp.async double buffering), "wgmma", "wgmma_overlap" and "wgmma_bulk" (Hopper's warpgroup MMAs; sm_90
-    only) or "best"
+    and cp.async double buffering), "wgmma", "wgmma_overlap", "wgmma_bulk" and "wgmma_balanced" (Hopper's
+    warpgroup MMAs; sm_90 only) or "best"
     (the default): the fastest this GPU runs, ``plan_backward``.
     ``out`` = (dq, dk, dv) writes into given arrays instead of allocating them; ``workspace`` (a
     ``flashlab.gpu.Workspace``) keeps the fp32 dq accumulator and the D vector from call to call. With both, a
@@ -249,7 +292,10 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: floa
     dot((math.ceil(rows / (THREADS // 32)),), (THREADS,), (o, do, dvec, np.int32(rows)))
     args = (q, k, v, do, lse, dvec, dq_acc, dk, dv, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk),
             np.float32(scale), np.int32(bool(causal)))
-    main((math.ceil(m / mk.block_keys), Hk, B), (mk.threads,), args, shared_mem=mk.shared_bytes(d))
+    key_blocks = math.ceil(m / mk.block_keys)
+    if mk.grouped:
+        args = (*args, np.int32(balanced_group(key_blocks, B * Hk, bool(causal))))
+    main((key_blocks, Hk, B), (mk.threads,), args, shared_mem=mk.shared_bytes(d))
     if mk.dq_tiles:  # one thread per 16 bytes of the tiled buffer
         blocks = dq_acc.size // 4
         dq_convert((math.ceil(blocks / THREADS),), (THREADS,), (dq_acc, dq, np.float32(scale), np.int32(n),

@@ -176,10 +176,11 @@ def emulated_attention(q, k, v, *, causal: bool = False, scale: float | None = N
 
 def emulated_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: float | None = None,
                       kernel: str = "wgmma"):
-    """A Hopper backward kernel (``flashlab.gpu.backward``'s ``"wgmma"``, ``"wgmma_overlap"`` or ``"wgmma_bulk"``)
-    run on the CPU under the host emulation, with the same three kernels ``attention_backward`` launches (D, the
-    main kernel, dQ's scaling and rounding). float16 NumPy arrays shaped as for :func:`emulated_attention`, o and
-    lse as the forward returned them (lse float32); returns ``(dq, dk, dv)`` in float16. Slow: small shapes only."""
+    """A Hopper backward kernel (``flashlab.gpu.backward``'s ``"wgmma"``, ``"wgmma_overlap"``, ``"wgmma_bulk"`` or
+    ``"wgmma_balanced"``) run on the CPU under the host emulation, with the same three kernels
+    ``attention_backward`` launches (D, the main kernel, dQ's scaling and rounding). float16 NumPy arrays shaped
+    as for :func:`emulated_attention`, o and lse as the forward returned them (lse float32); returns
+    ``(dq, dk, dv)`` in float16. Slow: small shapes only."""
     from .. import hostcuda
     from .._checks import check_scale
     from . import HEAD_DIMS
@@ -217,9 +218,12 @@ def emulated_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: float
                                                (o, do, dvec, np.int32(rows)))
     acc = np.zeros(mk.dq_buffer_shape(B, H, n, d), np.float32)
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
-    hostcuda.Kernel(lib, main_name)((-(-m // mk.block_keys), Hk, B), (mk.threads,),
-                                    (q, k, v, do, lse, dvec, acc, dk, dv, np.int32(n), np.int32(m), np.int32(H),
-                                     np.int32(Hk), np.float32(sc), np.int32(bool(causal))))
+    key_blocks = -(-m // mk.block_keys)
+    args = (q, k, v, do, lse, dvec, acc, dk, dv, np.int32(n), np.int32(m), np.int32(H), np.int32(Hk), np.float32(sc),
+            np.int32(bool(causal)))
+    if mk.grouped:
+        args = (*args, np.int32(gbwd.balanced_group(key_blocks, B * Hk, causal)))
+    hostcuda.Kernel(lib, main_name)((key_blocks, Hk, B), (mk.threads,), args)
     if mk.dq_tiles:  # one thread per 16 bytes of the tiled buffer
         blocks = acc.size // 4
         hostcuda.Kernel(lib, dq_name)((-(-blocks // threads), 1, 1), (threads,),
