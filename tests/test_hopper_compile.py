@@ -194,13 +194,14 @@ def test_emulated_attention_matches_float64(rng, rung):
 @pytest.mark.parametrize("kernel", [name for name, mk in backward.MAIN_KERNELS.items() if mk.hopper])
 def test_emulated_backward_matches_float64(rng, kernel):
     """What chapter 11's backward section runs without a Hopper GPU: the kernel's three launches under the host
-    emulation, against float64 gradients (GQA, causal with n < m, ragged tiles)."""
+    emulation, against float64 gradients (GQA, causal with n < m, ragged tiles, two batch entries: four K/V heads
+    of two key blocks each, which wgmma_balanced numbers in its own order)."""
     import numpy as np
 
     from flashlab import reference
 
-    q = rng.standard_normal((1, 2, 70, 64)).astype(np.float16)
-    k, v = (rng.standard_normal((1, 1, 150, 64)).astype(np.float16) for _ in range(2))
+    q = rng.standard_normal((2, 4, 70, 64)).astype(np.float16)
+    k, v = (rng.standard_normal((2, 2, 150, 64)).astype(np.float16) for _ in range(2))
     do = rng.standard_normal(q.shape).astype(np.float16)
     o, lse = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), causal=True)
     got = hopper.emulated_backward(q, k, v, o.astype(np.float16), lse, do, causal=True, kernel=kernel)

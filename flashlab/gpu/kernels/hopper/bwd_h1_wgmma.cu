@@ -2,10 +2,11 @@
 //
 // The schedule is bwd_r3_pipelined.cu's (FlashAttention-2's): a block owns BC = 128 keys, keeps their dK and dV
 // in registers while the query tiles of every query head of its group stream past, and adds its share of dQ into
-// an fp32 buffer. What limited that kernel (0.57x PyTorch's FlashAttention-2 backward on an H200; ncu:
-// data/raw/ncu/ncu_bwd_pipe.csv) was feeding mma.sync: each warp owned 16 keys and read the whole query tile
-// through ldmatrix for them, 104 ldmatrix.x4 per 160 mma, and short-scoreboard stalls on shared memory were the
-// second reason its warps waited. wgmma reads both operands of a product from shared memory itself, for 64 rows
+// an fp32 buffer. That kernel runs at 0.57x PyTorch's FlashAttention-2 backward on an H200, and its profile
+// (ncu: data/raw/ncu/ncu_bwd_pipe.csv) shows it issuing about three times the warp instructions of FlashAttention-2's
+// kernel for the same work at d = 128, and at d = 64 waiting on shared memory (short scoreboard) more than on
+// anything but fixed latencies. Much of both is feeding mma.sync: each warp owned 16 keys and read the whole query
+// tile through ldmatrix for them, 104 ldmatrix.x4 per 160 mma (d = 128, a warp's 32-row tile). wgmma reads both operands of a product from shared memory itself, for 64 rows
 // of a warpgroup at once, so none of that passes through the registers. Per query tile of BR = 64 rows, each of
 // the two warpgroups (64 keys each):
 //   S^T  = K_w Q^T      and dP^T = V_w dO^T   wgmma m64n64k16, A and B K-major in shared memory;

@@ -2,20 +2,23 @@
 // Needs sm_90a.
 //
 // In bwd_h2_overlap.cu every thread adds its dQ values into the fp32 buffer itself: at d = 128 a query tile of 64
-// rows is 4,096 red.global.add.v2.f32 instructions a step, each a read-modify-write of 8 bytes in L2, and the
-// whole GPU issues them at about the rate it runs the five tile products. FlashAttention-3 hands that work to the
-// tensor memory accelerator instead. Here each warpgroup, once its dQ product is done,
-//   1. writes its accumulators to a staging tile in shared memory, thread after thread (16-byte stores: the 32
-//      lanes of a warp write 512 contiguous bytes, no bank conflict);
+// rows costs 128 warp-wide red.global.add.v2.f32 instructions a step (4,096 reductions of 8 bytes, each a
+// read-modify-write in L2), beside the block's 64 wgmma. FlashAttention-3 hands that work to the tensor memory
+// accelerator (the copy engine) instead. Here each warpgroup, once its dQ product is done,
+//   1. writes its accumulators to a staging tile in shared memory, one accumulator block (four registers) per
+//      16-byte store: the 32 lanes of a warp write 512 contiguous bytes, no bank conflict;
 //   2. one thread issues cp.reduce.async.bulk .add.f32: the copy engine reads the staging tile (16 KB at d = 128)
 //      and adds it into global memory in whole lines, while the threads go on to the next query tile;
-//   3. before the staging tile is written again, a step later, that thread waits until the engine has read it.
+//   3. before the staging tile is written again, a step later, that thread waits (cp.async.bulk.wait_group.read)
+//      until the engine has read it.
 // The buffer the engine adds into must then hold each tile in the staging tile's order, the accumulators' order
 // (the "tiled" dQ buffer below) rather than row-major; the last kernel, bwd_dq_tiles, reads it back in that order
-// while it scales and rounds dQ. One consequence: on sm_90 a thread's wait for its cp.async groups and its wait for
-// its bulk groups are one instruction on one counter (ptxas makes both DEPBAR on scoreboard SB0), so a thread that
-// issued both kinds would, at the top of every step, wait for the engine's addition too. The two threads that talk
-// to the engine (the first of each warpgroup) therefore copy nothing; the other 254 issue every tile's cp.async.
+// while it scales and rounds dQ. One consequence shows in the machine code: ptxas turns the wait for cp.async groups
+// and the wait for bulk groups into one instruction, DEPBAR on scoreboard SB0. A scoreboard is a counter of a
+// warp's operations still in flight, one set per warp, and DEPBAR waits until it drops to a given value; so a warp
+// with a thread that issued a bulk addition would, at its wait for its copies at the top of every step, wait for
+// the engine as well, and through the barrier after it so would the whole block. The warp of each issuing thread
+// (warps 0 and 4) therefore issues no cp.async; the other six warps copy every tile.
 // Everything else (the schedule, the products, the overlap) is bwd_h2_overlap.cu's.
 //
 // The tiled dQ buffer: fp32, B H ceil(n / 64) tiles of 64 x D, tile (b, h, q0 / 64) at ((b H + h) tiles + q0 / 64)
@@ -34,14 +37,16 @@
 #define BC 128  // keys per block: 64 per warpgroup
 #define BR 64   // query rows per tile
 #define LOG2E 1.4426950408889634f
-#define NL (NT - 2)  // the threads that copy: all but the first of each warpgroup
+#define NL (NT - 64)  // the threads that copy: all but the first warp of each warpgroup
+#define ISSUER (threadIdx.x % 128 == 0)  // the thread of each warpgroup that talks to the copy engine
+#define COPIER (threadIdx.x % 128 >= 32)  // a thread that issues cp.async (not in an issuer's warp)
 
 // Issue the copies of rows r0 .. r0 + ROWS - 1 of a [*][D] matrix (zeros past row `rows`) into a swizzled tile,
 // spread over the NL copying threads.
 template <int D, int ROWS>
 __device__ __forceinline__ void load_tile(u32 dst, const u16* src, int r0, int rows) {
-    if (threadIdx.x % 128 == 0) return;
-    const int first = threadIdx.x - 1 - (threadIdx.x > 128);  // 0 .. NL - 1
+    if (!COPIER) return;
+    const int first = threadIdx.x % 128 - 32 + 96 * (threadIdx.x / 128);  // 0 .. NL - 1
 #pragma unroll
     for (int e = first; e < ROWS * D / 8; e += NL) {
         const int r = e / (D / 8), c = e % (D / 8);
@@ -74,7 +79,6 @@ __device__ void bwd_wgmma_bulk(const u16* __restrict__ q, const u16* __restrict_
     const size_t kvbase = ((size_t)b * Hk + hk) * m;
     const int kw = k0 + 64 * wg;  // this warpgroup's first key
     const int ntiles = (n + BR - 1) / BR;
-    const bool issuer = threadIdx.x % 128 == 0;  // the thread of each warpgroup that talks to the copy engine
 
     // The (query head, query tile) pairs this block visits, in order: heads gi of the group outer, tiles inner.
     const int qstart = causal ? (max(0, k0 - off) / BR) * BR : 0;
@@ -110,7 +114,7 @@ __device__ void bwd_wgmma_bulk(const u16* __restrict__ q, const u16* __restrict_
         const u32 qs = qbuf + buf * BR * D * 2, dos = dobuf + buf * BR * D * 2;
         const float* lsm = lbuf + buf * BR;
         const float* dsm = dbuf + buf * BR;
-        if (!issuer) cp_async_wait<0>();  // this thread's copies of step i (and of K, V) have landed
+        if (COPIER) cp_async_wait<0>();  // this thread's copies of step i (and of K, V) have landed
         fence_to_tensor_cores();  // ... and are visible to wgmma
         __syncthreads();         // everyone's are; step i - 1 is done with buffer (i + 1) % 2 and with dS^T
         if (i + 1 < steps) prefetch(i + 1);
@@ -192,7 +196,7 @@ __device__ void bwd_wgmma_bulk(const u16* __restrict__ q, const u16* __restrict_
             Wgmma<D>::template rs<Ty::bf16>(dka, sa[kk], descriptor(qs + kk * 2048, BR * 128, 1024), 1);
         wgmma_commit();
         fence_to_tensor_cores();
-        if (issuer) bulk_wait_read<0>();  // the engine has read the last step's staging tile
+        if (ISSUER) bulk_wait_read<0>();  // the engine has read the last step's staging tile
         __syncthreads();  // dS^T is complete; the staging tiles may be written
 
         // dQ (64 rows x this warpgroup's D / 2 columns) = dS K over the block's 128 keys: the k16 step kk is 16
@@ -224,15 +228,15 @@ __device__ void bwd_wgmma_bulk(const u16* __restrict__ q, const u16* __restrict_
                 make_float4(dqa[4 * j], dqa[4 * j + 1], dqa[4 * j + 2], dqa[4 * j + 3]);
         fence_to_tensor_cores();      // the stores are visible to the copy engine ...
         named_bar_sync(1 + wg, 128);  // ... once every thread of the warpgroup has made them
-        if (issuer) {
+        if (ISSUER) {
             const size_t tile = ((size_t)b * H + (size_t)hk * G + gi) * ntiles + q0 / BR;
             bulk_reduce_add(dq_acc + tile * (BR * D) + wg * (BR * NQ), smem_u32(stage), BR * NQ * 4);
             bulk_commit();
         }
         if (i + 1 < steps) store_vec((i + 1) & 1);  // buffer (i + 1) % 2 has been free since this step's first barrier
     }
-    if (issuer) bulk_wait<0>();  // the block's shared memory must outlive the engine's last read
-    else cp_async_wait<0>();     // (steps = 0: the K and V copies are still owed)
+    if (ISSUER) bulk_wait<0>();   // the block's shared memory must outlive the engine's last read
+    if (COPIER) cp_async_wait<0>();  // (steps = 0: the K and V copies are still owed)
 
     // dK (scaled here) and dV of this warpgroup's keys: element e of block j is key kw + 16 warp + g + 8 (e / 2),
     // column 8 j + 2 t + e % 2; two neighbouring columns are written as one 32-bit word.

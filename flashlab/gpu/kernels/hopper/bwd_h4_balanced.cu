@@ -10,13 +10,14 @@
 // groups of `group` heads, and within a group all key blocks 0 come first, then all key blocks 1, and so on; the
 // launcher passes every head as one group (greedy list scheduling then ends within 1 % of the even share), and 1
 // without the mask, which is bwd_h3_bulk_dq.cu's order. The blocks that run together then belong to many heads
-// rather than to a few, so fewer of them share each Q and dO tile in L2. An estimate, to be checked by the profile:
-// at n = 4096 about half the tiles' reads would go to DRAM, some 1 GB in a call of a few ms, a fraction of the
-// bandwidth that the compute-bound kernel leaves unused.
+// rather than to a few, so fewer of them share each Q and dO tile in L2. An estimate, to be checked by a profile:
+// at n = 4096 (16 heads, batch 4) about half of the 2.2 GB of Q and dO tiles read would come from DRAM, some 1 GB
+// in a call of a few ms, a small part of what DRAM delivers in that time.
 //
-// Block (linear index L = x + X (y + Y z), X = key blocks, heads = Y Z = Hk B): group gi = L / (X group) holds heads
-// gi group .. + gs - 1 (gs = min(group, heads - gi group)); within it, L' = L - gi group X is key block L' / gs of
-// head gi group + L' % gs, head = hk + Hk b. Everything else is bwd_h3_bulk_dq.cu's; the kernels take `group` after
+// Block (linear index L = x + X (y + Y z), X = key blocks, heads = Y Z = Hk B): the group of heads g0 .. g0 + gs - 1
+// with g0 = L / (X group) group and gs = min(group, heads - g0); within it, L' = L - g0 X is key block L' / gs of
+// head g0 + L' % gs, head = hk + Hk b. (CUDA does not promise that blocks start in the order of their index; GPUs
+// do so in practice, and rung H9 and FlashAttention's schedulers rely on it as well.) Everything else is bwd_h3_bulk_dq.cu's; the kernels take `group` after
 // `causal`.
 #include "wgmma.cuh"
 #include "tma.cuh"  // named barriers
@@ -28,20 +29,36 @@
 #define BC 128  // keys per block: 64 per warpgroup
 #define BR 64   // query rows per tile
 #define LOG2E 1.4426950408889634f
-#define NL (NT - 2)  // the threads that copy: all but the first of each warpgroup
+#define NL (NT - 64)  // the threads that copy: all but the first warp of each warpgroup
+#define ISSUER (threadIdx.x % 128 == 0)  // the thread of each warpgroup that talks to the copy engine
+#define COPIER (threadIdx.x % 128 >= 32)  // a thread that issues cp.async (not in an issuer's warp)
 
 // Issue the copies of rows r0 .. r0 + ROWS - 1 of a [*][D] matrix (zeros past row `rows`) into a swizzled tile,
 // spread over the NL copying threads.
 template <int D, int ROWS>
 __device__ __forceinline__ void load_tile(u32 dst, const u16* src, int r0, int rows) {
-    if (threadIdx.x % 128 == 0) return;
-    const int first = threadIdx.x - 1 - (threadIdx.x > 128);  // 0 .. NL - 1
+    if (!COPIER) return;
+    const int first = threadIdx.x % 128 - 32 + 96 * (threadIdx.x / 128);  // 0 .. NL - 1
 #pragma unroll
     for (int e = first; e < ROWS * D / 8; e += NL) {
         const int r = e / (D / 8), c = e % (D / 8);
         const bool valid = r0 + r < rows;
         cp_async16(dst + tile_offset<ROWS>(r, c), src + (size_t)(valid ? r0 + r : 0) * D + c * 8, valid);
     }
+}
+
+// This block's key block kb and head hb (= hk + Hk b): numbered in groups of `group` heads, key blocks outer within
+// a group. The block index is read with asm volatile, so that a second call recomputes rather than reuses the first.
+__device__ __forceinline__ void block_of(int group, int& kb, int& hb) {
+    u32 x, y, z;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x));
+    asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(y));
+    asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
+    const int nkb = gridDim.x, heads = gridDim.y * gridDim.z;
+    const int linear = x + nkb * (y + gridDim.y * z);
+    const int g0 = linear / (nkb * group) * group, gs = min(group, heads - g0), within = linear - g0 * nkb;
+    kb = within / gs;
+    hb = g0 + within % gs;
 }
 
 template <class Ty, int D>
@@ -63,19 +80,15 @@ __device__ void bwd_wgmma_balanced(const u16* __restrict__ q, const u16* __restr
 
     const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane >> 2, t = lane & 3;
-    // This block's key block and head: numbered in groups of `group` heads, key blocks outer within a group.
-    const int nkb = gridDim.x, heads = gridDim.y * gridDim.z;
-    const int linear = blockIdx.x + nkb * (blockIdx.y + gridDim.y * blockIdx.z);
-    const int g0 = linear / (nkb * group) * group, gs = min(group, heads - g0), within = linear - g0 * nkb;
-    const int hb = g0 + within % gs;
-    const int G = H / Hk, k0 = within / gs * BC;
+    int kb, hb;
+    block_of(group, kb, hb);
+    const int G = H / Hk, k0 = kb * BC;
     const int hq0 = hb / Hk * H + hb % Hk * G;  // the group's first query head, b H + hk G (hb = b Hk + hk)
     const int off = m - n;
     const float scale2 = scale * LOG2E;
     const size_t kvbase = (size_t)hb * m;
     const int kw = k0 + 64 * wg;  // this warpgroup's first key
     const int ntiles = (n + BR - 1) / BR;
-    const bool issuer = threadIdx.x % 128 == 0;  // the thread of each warpgroup that talks to the copy engine
 
     // The (query head, query tile) pairs this block visits, in order: heads gi of the group outer, tiles inner.
     const int qstart = causal ? (max(0, k0 - off) / BR) * BR : 0;
@@ -111,7 +124,7 @@ __device__ void bwd_wgmma_balanced(const u16* __restrict__ q, const u16* __restr
         const u32 qs = qbuf + buf * BR * D * 2, dos = dobuf + buf * BR * D * 2;
         const float* lsm = lbuf + buf * BR;
         const float* dsm = dbuf + buf * BR;
-        if (!issuer) cp_async_wait<0>();  // this thread's copies of step i (and of K, V) have landed
+        if (COPIER) cp_async_wait<0>();  // this thread's copies of step i (and of K, V) have landed
         fence_to_tensor_cores();  // ... and are visible to wgmma
         __syncthreads();         // everyone's are; step i - 1 is done with buffer (i + 1) % 2 and with dS^T
         if (i + 1 < steps) prefetch(i + 1);
@@ -193,7 +206,7 @@ __device__ void bwd_wgmma_balanced(const u16* __restrict__ q, const u16* __restr
             Wgmma<D>::template rs<Ty::bf16>(dka, sa[kk], descriptor(qs + kk * 2048, BR * 128, 1024), 1);
         wgmma_commit();
         fence_to_tensor_cores();
-        if (issuer) bulk_wait_read<0>();  // the engine has read the last step's staging tile
+        if (ISSUER) bulk_wait_read<0>();  // the engine has read the last step's staging tile
         __syncthreads();  // dS^T is complete; the staging tiles may be written
 
         // dQ (64 rows x this warpgroup's D / 2 columns) = dS K over the block's 128 keys: the k16 step kk is 16
@@ -225,16 +238,20 @@ __device__ void bwd_wgmma_balanced(const u16* __restrict__ q, const u16* __restr
                 make_float4(dqa[4 * j], dqa[4 * j + 1], dqa[4 * j + 2], dqa[4 * j + 3]);
         fence_to_tensor_cores();      // the stores are visible to the copy engine ...
         named_bar_sync(1 + wg, 128);  // ... once every thread of the warpgroup has made them
-        if (issuer) {
+        if (ISSUER) {
             const size_t tile = ((size_t)hq0 + gi) * ntiles + q0 / BR;
             bulk_reduce_add(dq_acc + tile * (BR * D) + wg * (BR * NQ), smem_u32(stage), BR * NQ * 4);
             bulk_commit();
         }
         if (i + 1 < steps) store_vec((i + 1) & 1);  // buffer (i + 1) % 2 has been free since this step's first barrier
     }
-    if (issuer) bulk_wait<0>();  // the block's shared memory must outlive the engine's last read
-    else cp_async_wait<0>();     // (steps = 0: the K and V copies are still owed)
+    if (ISSUER) bulk_wait<0>();   // the block's shared memory must outlive the engine's last read
+    if (COPIER) cp_async_wait<0>();  // (steps = 0: the K and V copies are still owed)
 
+    // The block's K/V head again, from the block index: kept in registers across the loop (ptxas's choice otherwise)
+    // it cost 8 bytes of spill at d = 128.
+    block_of(group, kb, hb);
+    const size_t kvend = (size_t)hb * m;
     // dK (scaled here) and dV of this warpgroup's keys: element e of block j is key kw + 16 warp + g + 8 (e / 2),
     // column 8 j + 2 t + e % 2; two neighbouring columns are written as one 32-bit word.
 #pragma unroll
@@ -244,8 +261,8 @@ __device__ void bwd_wgmma_balanced(const u16* __restrict__ q, const u16* __restr
 #pragma unroll
             for (int j = 0; j < D / 8; ++j) {
                 const int c = 8 * j + 2 * t;
-                *(u32*)(dk + (kvbase + key) * D + c) = Ty::pack(scale * dka[4 * j + 2 * h], scale * dka[4 * j + 2 * h + 1]);
-                *(u32*)(dv + (kvbase + key) * D + c) = Ty::pack(dva[4 * j + 2 * h], dva[4 * j + 2 * h + 1]);
+                *(u32*)(dk + (kvend + key) * D + c) = Ty::pack(scale * dka[4 * j + 2 * h], scale * dka[4 * j + 2 * h + 1]);
+                *(u32*)(dv + (kvend + key) * D + c) = Ty::pack(dva[4 * j + 2 * h], dva[4 * j + 2 * h + 1]);
             }
         }
     }
