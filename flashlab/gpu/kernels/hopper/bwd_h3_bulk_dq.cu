@@ -254,25 +254,6 @@ __device__ void bwd_wgmma_bulk(const u16* __restrict__ q, const u16* __restrict_
     }
 }
 
-// dQ = scale dQ_acc, rounded: thread p reads the p-th 16 bytes of the tiled buffer (consecutive threads,
-// consecutive bytes), the main kernel's accumulator block j of thread i of warpgroup w in tile T, and writes its
-// four values where they belong: rows 16 warp + g and + 8 of the tile, columns w D / 2 + 8 j + 2 t and + 1.
-template <class Ty, int D>
-__device__ void bwd_dq_tiles(const float* __restrict__ acc, u16* __restrict__ dq, float scale, int n,
-                             long long blocks) {
-    const long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (p >= blocks) return;
-    constexpr int NQ = D / 2;
-    const int i = (int)(p % 128), j = (int)(p / 128 % (NQ / 8)), w = (int)(p / (128 * (NQ / 8)) % 2);
-    const long long tile = p / (128 * (NQ / 8) * 2);  // (b H + h) ntiles + q0 / BR
-    const int ntiles = (n + BR - 1) / BR;
-    const long long bh = tile / ntiles;
-    const int r = (int)(tile % ntiles) * BR + 16 * (i / 32) + (i % 32) / 4, c = w * NQ + 8 * j + 2 * (i % 4);
-    const float4 x = *(const float4*)(acc + 4 * p);
-    if (r < n) *(u32*)(dq + (bh * n + r) * D + c) = Ty::pack(scale * x.x, scale * x.y);
-    if (r + 8 < n) *(u32*)(dq + (bh * n + r + 8) * D + c) = Ty::pack(scale * x.z, scale * x.w);
-}
-
 #define DEFINE_KERNELS(DT, TY, D)                                                                                     \
     extern "C" __global__ void __launch_bounds__(NT, 1)                                                               \
         bwd_wgmma_bulk_##DT##_d##D(const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse,       \
@@ -282,7 +263,7 @@ __device__ void bwd_dq_tiles(const float* __restrict__ acc, u16* __restrict__ dq
     }                                                                                                                 \
     extern "C" __global__ void bwd_dq_tiles_##DT##_d##D(const float* acc, u16* dq, float scale, int n,                \
                                                        long long blocks) {                                            \
-        bwd_dq_tiles<TY, D>(acc, dq, scale, n, blocks);                                                               \
+        bwd_dq_tiles<TY, D, BR>(acc, dq, scale, n, blocks);                                                           \
     }
 
 DEFINE_KERNELS(f16, F16, 64)
