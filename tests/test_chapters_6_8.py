@@ -225,9 +225,9 @@ def test_chapter7_sets_the_rungs_against_the_measured_mma_ceiling(ch7_ladder):
 
 
 def test_the_notes_show_the_forward_records_as_their_tables_print_them():
-    """docs/kernels.md's tables of the ladder, of rungs 11 and 12 (fp16, bf16), of the mma.sync ceiling and of the
-    two decode records are the records as the package formats them today: a new record means regenerated tables,
-    not stale ones."""
+    """docs/kernels.md's tables of the ladder, of rungs 11 and 12 (fp16, bf16), of the mma.sync ceiling, of the
+    two decode records and of the Hopper backward (fp16, bf16) are the records as the package formats them today:
+    a new record means regenerated tables, not stale ones."""
     from flashlab.bench import peak
 
     notes = KERNELS_MD.read_text()
@@ -241,6 +241,9 @@ def test_the_notes_show_the_forward_records_as_their_tables_print_them():
     tables += [ablate.markdown_table(records.read_record("benchmarks/ablations")["rows"], r) for r in ablate.ABLATIONS]
     tables += [decode.markdown_table(records.read_record("ch8/decode")["rows"], decode.SUMMARY_IMPLS),
                decode.markdown_table(records.read_record("ch8/decode_gqa")["rows"])]
+    bwd_hopper = records.read_record("ch8/bwd_hopper")["rows"]
+    tables += [forward.ladder_markdown(bwd_hopper, columns=forward.columns_of(bwd_hopper, dt), dtype=dt)
+               for dt in ("float16", "bfloat16")]
     for table in tables:
         assert table in notes, table.splitlines()[2]
     assert ladder["provenance"]["command"] in notes and probe["provenance"]["command"] in notes

@@ -152,12 +152,14 @@ def test_backward_at_d128_takes_mma_on_99_kb_cards_and_says_why():
     for lim in (A10, RTX4090):
         p = gbwd._backward_plan(128, "best", lim)
         assert p.kernel == "mma"
-        ((name, why),) = p.passed_over
+        (hopper, hopper_why), (name, why) = p.passed_over
+        assert hopper == gbwd.HOPPER_BEST and "sm_90a" in hopper_why
         assert name == "pipe" and "115,200 B" in why and "101,376 B (MaxSharedMemoryPerBlockOptin)" in why
         with pytest.raises(ValueError, match=r"'pipe' needs 115,200 B .*'best' would choose 'mma'"):
             gbwd._backward_plan(128, "pipe", lim)
         assert gbwd._backward_plan(64, "best", lim).kernel == "pipe"
-    assert gbwd._backward_plan(128, "best", A100).kernel == gbwd._backward_plan(128, "best", H100).kernel == "pipe"
+    assert gbwd._backward_plan(128, "best", A100).kernel == "pipe"
+    assert gbwd._backward_plan(128, "best", H100).kernel == gbwd.HOPPER_BEST
 
 
 # Older than any GPU the course supports: what every public call must refuse with a clear message.

@@ -21,8 +21,8 @@ from flashlab.bench import backward, decode, forward, host, memory, peak, profil
 FORWARD = ("benchmarks/ladder", "benchmarks/memory_sweep", "benchmarks/memory_sweep_rung2", "benchmarks/protocols",
            "benchmarks/r12_probe", "benchmarks/hopper", "benchmarks/hopper_merged", "benchmarks/hopper_staged")
 # records timed under both protocols: every timed implementation and shape has a row of each
-BOTH_PROTOCOLS = ("benchmarks/protocols", "ch8/bwd", "ch8/decode", "ch8/decode_gqa", "benchmarks/r12_probe",
-                  "benchmarks/hopper", "benchmarks/hopper_merged", "benchmarks/hopper_staged")
+BOTH_PROTOCOLS = ("benchmarks/protocols", "ch8/bwd", "ch8/bwd_hopper", "ch8/decode", "ch8/decode_gqa",
+                  "benchmarks/r12_probe", "benchmarks/hopper", "benchmarks/hopper_merged", "benchmarks/hopper_staged")
 ROW_KEYS = {"impl", "pass", "dtype", "d", "n", "batch", "heads", "causal", "median_ms", "tflops"}
 PROVENANCE_KEYS = {"date_utc", "command", "gpu", "cupy", "numpy", "torch", "cuda_runtime", "nvidia_smi"}
 # summary -> the Nsight Compute CSV it is made from
@@ -42,6 +42,7 @@ TUNE = ("benchmarks/tune_exp2_tiles", "benchmarks/tune_warp32", "benchmarks/tune
 # record -> (the benchmark that makes it now, the command that made it before `python -m flashlab bench KIND`)
 TRAINING = {
     "ch8/bwd": (backward, "python -m flashlab.gpu.bench8 bwd"),
+    "ch8/bwd_hopper": (backward, "python -m flashlab bench backward"),
     "ch8/decode": (decode, "python -m flashlab.gpu.bench8 decode"),
     "ch8/decode_gqa": (decode, "python -m flashlab.gpu.bench8 decode"),
     "ch8/memory": (memory, "python -m flashlab.gpu.bench8 memory"),
@@ -612,3 +613,58 @@ def test_docs_read_the_stream_k_tail_from_its_profile():
     assert (f"the busiest SM was active {spread[h11]:.3f}× the average SM's cycles under H11 (16 tiles against 15.5) "
             f"and {spread[h12]:.3f}× under H12, and the kernel took {us[h12]:.0f} µs against {us[h11]:.0f}") in text
     assert abs(spread[h11] - 16 / 15.5) < 0.005 and spread[h12] < 1.01
+
+
+def _bwd_hopper_speedups():
+    """(record's sm_90 rows, speedup(new, old, keep) -> the speedups of ``new`` over ``old`` on the rows kept)."""
+    from flashlab.gpu import backward as gbwd
+
+    record = records.read_record("ch8/bwd_hopper")
+    assert str(record["provenance"]["compute_capability"]) == "90"
+    rows = [r for r in record["rows"] if "error" not in r]
+    ms = {(r["impl"], r["dtype"], r["d"], r["n"], r["causal"], records.protocol_of(r)): r["median_ms"] for r in rows}
+    shapes = {k[1:] for k in ms}
+    steps = [f"ours_{x}" for x, mk in gbwd.MAIN_KERNELS.items() if mk.hopper]
+    assert {"sdpa_flash", "sdpa_cudnn", "ours_pipe", *steps} <= {k[0] for k in ms}
+    assert {s[0] for s in shapes} == {"float16", "bfloat16"} and {s[1] for s in shapes} == set(fgpu.HEAD_DIMS)
+    assert {s[3] for s in shapes} == {False, True} and {s[4] for s in shapes} == set(records.PROTOCOLS)
+
+    def speedup(new, old, keep=lambda s: True):
+        return [ms[(old, *s)] / ms[(new, *s)] for s in shapes if keep(s)]
+
+    return rows, steps, speedup
+
+
+def test_hopper_backward_best_is_the_one_the_h200_run_chooses():
+    """HOPPER_BEST is what ``fastest_rung`` picks among the four Hopper backward kernels at every d, and "best"
+    tries it first (on sm_90 alone)."""
+    from flashlab.gpu import backward as gbwd
+
+    rows, steps, _ = _bwd_hopper_speedups()
+    for d in fgpu.HEAD_DIMS:
+        assert forward.fastest_rung(rows, d, steps) == f"ours_{gbwd.HOPPER_BEST}", d
+    assert gbwd.FASTEST_FIRST[0] == gbwd.HOPPER_BEST and gbwd.MAIN_KERNELS[gbwd.HOPPER_BEST].hopper
+
+
+def test_chapter_11_backward_statements_hold_in_the_h200_run():
+    """What chapter 11's section 16 says of the recorded run (every dtype, n, mask and protocol): a re-recorded
+    run that contradicts the text fails here."""
+    from flashlab.gpu import backward as gbwd
+
+    _, (w1, w2, w3, w4), speedup = _bwd_hopper_speedups()
+    d64, d128 = (lambda s: s[1] == 64), (lambda s: s[1] == 128)
+    # step 1 beats SDPA flash on every row at d = 128, and is within 1 % of it or faster at d = 64
+    assert min(speedup(w1, "sdpa_flash", d128)) > 1 and min(speedup(w1, "sdpa_flash", d64)) >= 0.99
+    # step 2: a few per cent either way at d = 128, slower on every row at d = 64
+    assert all(0.95 < x < 1.05 for x in speedup(w2, w1, d128)) and max(speedup(w2, w1, d64)) < 1
+    # step 3 gains on every row, more at d = 128 than at d = 64
+    assert min(speedup(w3, w2)) > 1 and min(speedup(w3, w2, d128)) > max(speedup(w3, w2, d64))
+    # step 4: faster with the mask at n = 4096 back to back, at most 4 % slower without it at d = 64
+    assert min(speedup(w4, w3, lambda s: s[3] and s[2] == 4096 and s[4] == "throughput")) > 1
+    assert 0.955 < min(speedup(w4, w3, lambda s: not s[3] and s[1] == 64)) < 1
+    assert max(speedup(w4, w3)) < 1.065  # greedy scheduling's bound: up to 6.5 % at the course's shapes
+    # "best" passes 0.9x SDPA flash on every row; cuDNN stays 1.2-1.6x ahead of it
+    best = f"ours_{gbwd.HOPPER_BEST}"
+    assert min(speedup(best, "sdpa_flash")) >= 0.9
+    lead = [1 / x for x in speedup(best, "sdpa_cudnn")]
+    assert 1.15 <= min(lead) and max(lead) <= 1.6

@@ -117,8 +117,13 @@ MAIN_KERNELS = {
                                  block_rows=64, dq_tiles=True, grouped=True),
 }
 KERNELS = tuple(MAIN_KERNELS)
-DEFAULT_KERNEL = "pipe"  # the fastest kernel measured on a GPU (data/ch8/bwd.json: 0.57x sdpa_flash; "mma" 0.42x)
-FASTEST_FIRST = ("pipe", "mma", "smem")  # what kernel="best" tries, in this order
+# The fastest kernel before Hopper, which "best" runs on sm_80 (data/ch8/bwd.json, A100 and H200: 0.57x
+# sdpa_flash; "mma" 0.42x).
+DEFAULT_KERNEL = "pipe"
+# The fastest Hopper kernel at both head sizes: what ``bench.forward.fastest_rung`` picks among the four from the
+# H200 run that timed them side by side (data/ch8/bwd_hopper.json; "wgmma_balanced" is within 1 % of it).
+HOPPER_BEST = "wgmma_bulk"
+FASTEST_FIRST = (HOPPER_BEST, "pipe", "mma", "smem")  # what kernel="best" tries, in this order
 
 
 @functools.lru_cache(maxsize=64)
@@ -139,9 +144,10 @@ def _backward_plan(d: int, kernel: str, lim: DeviceLimits) -> Plan:
 
 def plan_backward(q, k, v, *, kernel: str = "best", bf16: bool = False) -> Plan:
     """The main kernel ``attention_backward`` launches on this GPU for these inputs, and why (see
-    ``flashlab.gpu.plan``): "pipe" where a block may hold its shared memory (115,200 B at d = 128: sm_80 and
-    sm_90), else "mma" (57,600 B: the 99 KB of sm_86 and sm_89), else "smem" (sm_75: no tensor-core backward for
-    Turing; the scalar kernel runs there). A kernel that cannot run raises ValueError naming the limit."""
+    ``flashlab.gpu.plan``): on sm_90 ``HOPPER_BEST``, else "pipe" where a block may hold its shared memory
+    (115,200 B at d = 128: sm_80), else "mma" (57,600 B: the 99 KB of sm_86 and sm_89), else "smem" (sm_75: no
+    tensor-core backward for Turing; the scalar kernel runs there). A kernel that cannot run raises ValueError
+    naming the limit."""
     dt = _check_inputs(q, k, v, bf16)
     if dt == "f32":
         raise TypeError("attention_backward takes float16 or (with bf16=True) bfloat16 bits in uint16; got float32")
