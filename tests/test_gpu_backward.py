@@ -386,7 +386,7 @@ def test_backward_bad_inputs_get_clear_errors():
     with pytest.raises(TypeError, match="causal"):
         fgpu.attention_backward(x, x, x, x, lse, x, causal=1)
     with pytest.raises(ValueError, match="kernel"):
-        fgpu.attention_backward(x, x, x, x, lse, x, kernel="wgmma")
+        fgpu.attention_backward(x, x, x, x, lse, x, kernel="tensor")
 
 
 @pytest.mark.gpu

@@ -36,6 +36,7 @@ NCU_SUMMARIES = {
     "ncu/occupancy_k_lanes_three_blocks": "raw/ncu/ncu_occupancy_r12.csv",
     "ncu/stalls_bwd_pipe": "raw/ncu/ncu_bwd_pipe.csv",
     "ncu/stalls_bwd_sdpa_flash": "raw/ncu/ncu_bwd_sdpa.csv",
+    "ncu/stalls_bwd_wgmma": "raw/ncu/ncu_bwd_wgmma.csv",
 }
 # the tile-size sweeps behind the rungs' default tiles (docs/kernels.md)
 TUNE = ("benchmarks/tune_exp2_tiles", "benchmarks/tune_warp32", "benchmarks/tune_lean")
@@ -118,12 +119,13 @@ def test_ncu_summaries_are_reproducible_from_their_csv(name):
 
 
 def test_decode_records_default_split_is_the_fastest_of_the_sweep_within_noise():
-    """docs/kernels.md: one wave (the default split count) is the fastest split count of each decode record's sweep
-    of the default kernel ("mma") under throughput, and of the "keys" kernel's within 2 % (its one-row sweep: 41
-    splits 1 % under one wave's 20 in the record); and the GQA record's group runs with 4 K/V heads' worth of rows
-    per block (kv_heads = heads / 4)."""
+    """docs/kernels.md: one wave (the default split count) is within 1 % of the fastest split count of each decode
+    record's sweep under throughput, for the default kernel ("mma") and for "keys" (the one-row sweeps put 64 and 41
+    splits a fraction of a per cent ahead; the same launch timed twice, the default row and the sweep's row of its
+    split count, differs by up to 0.3 % back to back); and the GQA record's group runs with 4 K/V heads' worth of
+    rows per block (kv_heads = heads / 4)."""
     for name in ("ch8/decode", "ch8/decode_gqa"):
-        for kernel, slack in (("mma", 1.0), ("keys", 1.02)):
+        for kernel, slack in (("mma", 1.01), ("keys", 1.01)):
             rows = [r for r in records.read_record(name)["rows"] if "error" not in r and r.get("kernel") == kernel
                     and records.protocol_of(r) == "throughput" and r["impl"] != f"{kernel}_unsplit"]
             default = next(r for r in rows if r["impl"] == kernel)
@@ -668,3 +670,26 @@ def test_chapter_11_backward_statements_hold_in_the_h200_run():
     assert min(speedup(best, "sdpa_flash")) >= 0.9
     lead = [1 / x for x in speedup(best, "sdpa_cudnn")]
     assert 1.15 <= min(lead) and max(lead) <= 1.6
+
+
+def test_chapter_11_backward_profile_statements_hold():
+    """Chapter 11 section 16 on data/ncu/stalls_bwd_wgmma.json: with dQ added by the copy engine (step 3 against
+    step 2), the global-memory stalls at d = 128 fall to about a fifth and all stalls by about a quarter, for about
+    as many instructions; at d = 64 the lg throttle was small to begin with and the stalls fall by about a tenth."""
+    procs = {p["kernels"][0]["name"]: p["metrics"] for p in records.read_record("ncu/stalls_bwd_wgmma")["processes"]}
+    kernels = ("wgmma", "wgmma_overlap", "wgmma_bulk", "wgmma_balanced")
+    assert set(procs) == {f"bwd_{k}_f16_d{d}" for k in kernels for d in (64, 128)}
+    stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
+
+    def total(m):
+        return sum(v for k, v in m.items() if "issue_stalled" in k and "_selected_" not in k)
+
+    def on_global(m):
+        return m[stall.format("lg_throttle")] + m[stall.format("long_scoreboard")]
+
+    step2, step3 = procs["bwd_wgmma_overlap_f16_d128"], procs["bwd_wgmma_bulk_f16_d128"]
+    assert 0.15 < on_global(step3) / on_global(step2) < 0.25
+    assert 0.7 < total(step3) / total(step2) < 0.8
+    assert abs(step3["smsp__inst_executed.sum"] / step2["smsp__inst_executed.sum"] - 1) < 0.05
+    step2, step3 = procs["bwd_wgmma_overlap_f16_d64"], procs["bwd_wgmma_bulk_f16_d64"]
+    assert step2[stall.format("lg_throttle")] < 0.1 and 0.85 < total(step3) / total(step2) < 0.95

@@ -203,62 +203,71 @@ __device__ void decode_split(const u16* __restrict__ q, const u16* __restrict__ 
 }
 
 // One query row per block: the logsumexp-weighted sum of the S partials. MT = 1024 threads; thread t owns column
-// t % D for the splits s = t / D, t / D + MT / D, ... (8 groups of splits at D = 128, 16 at D = 64), and the groups'
-// sums meet in shared memory at the end. The maximum and the sum of the weights are block reductions over
-// the S lse values, read once, S / MT of them per thread. Why not one thread per column walking all S splits: that
-// walk is a chain of S loads from L2, one after the other, and it took 17 us at S = 66 on an H200 (Nsight Compute),
-// more than a tenth of the split kernel's time; here a thread walks S / (MT / D) splits (9 at S = 66), with their
-// loads in flight together.
+// t % D for the splits s = t / D, t / D + MT / D, ... (8 groups of splits at D = 128, 16 at D = 64). Each thread
+// merges its splits as it reads them, chapter 1's rule kept online (a running maximum, the sum of the weights and
+// the weighted sum of its column, rescaled when the maximum grows), so that its loads of lse and o are all
+// independent and in flight together; the groups meet once in shared memory at the end. History, measured with
+// Nsight Compute on an H200 at S = 66 (a GQA step): one thread per column walking all S splits, a chain of S
+// dependent loads, took 17 us; a share of the splits per thread but the maximum and the weight sum first, as two
+// block reductions each after its own pass over lse, took 7.1 us (data/raw/ncu/ncu_decode_mma_gqa.txt).
 #define MT 1024
-__device__ __forceinline__ float block_max(float x, float* red) {
-    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-    __syncthreads();  // red is free: the previous reduction has been read by every thread
-    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = x;
-    __syncthreads();
-    x = red[0];
-    for (int w = 1; w < MT / 32; ++w) x = fmaxf(x, red[w]);
-    return x;
-}
-__device__ __forceinline__ float block_sum(float x, float* red) {
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    __syncthreads();
-    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = x;
-    __syncthreads();
-    x = 0.f;
-    for (int w = 0; w < MT / 32; ++w) x += red[w];
-    return x;
-}
 
 template <class Ty, int D>
 __device__ void decode_merge(const float* __restrict__ opart, const float* __restrict__ lpart, u16* __restrict__ o,
                              float* __restrict__ lse, int nsplit) {
     constexpr int GROUPS = MT / D;  // splits walked side by side, one group of D threads each
-    __shared__ float red[MT / 32];
     __shared__ float part[GROUPS][D];
+    __shared__ float gmax[GROUPS], gsum[GROUPS];
     const size_t row = blockIdx.x;
     const int t = threadIdx.x, c = t % D, grp = t / D;
     const float* lp = lpart + row * nsplit;
     const float* op = opart + row * nsplit * D;
-    float mx = NEG_INF;
-    for (int s = t; s < nsplit; s += MT) mx = fmaxf(mx, lp[s]);
-    mx = block_max(mx, red);
-    if (mx == NEG_INF) {  // no split saw a key: the row's output is 0 and its lse -inf, as in the reference
-        if (t < D) o[row * D + t] = Ty::store(0.f);
-        if (t == 0) lse[row] = NEG_INF;
-        return;
+    // This group's splits: mx its largest lse, w = sum of exp(lse_s - mx), x = sum of exp(lse_s - mx) o_s[c]. A
+    // split that saw no key (lse -inf, o zeros) weighs 0; until a group has seen a key, mx stays -inf.
+    float mx = NEG_INF, w = 0.f, x = 0.f;
+    constexpr int BATCH = 8;  // splits whose loads are issued before the first of them is used
+    for (int s0 = grp; s0 < nsplit; s0 += BATCH * GROUPS) {
+        float ls[BATCH], os[BATCH];
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+            const int s = s0 + j * GROUPS;
+            ls[j] = s < nsplit ? lp[s] : NEG_INF;
+            os[j] = s < nsplit ? op[(size_t)s * D + c] : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+            const float nm = fmaxf(mx, ls[j]), ns = nm == NEG_INF ? 0.f : nm;  // no (-inf) - (-inf)
+            const float a = expf(mx - ns);     // the old terms, rescaled to the new maximum (0 while mx is -inf)
+            const float e = expf(ls[j] - ns);  // this split's weight (0 for an empty split)
+            w = fmaf(w, a, e);
+            x = fmaf(x, a, e * os[j]);
+            mx = nm;
+        }
     }
-    float wsum = 0.f;
-    for (int s = t; s < nsplit; s += MT) wsum += expf(lp[s] - mx);  // <= 1 each; an empty split weighs 0
-    wsum = block_sum(wsum, red);
-    float x = 0.f;
-#pragma unroll 8
-    for (int s = grp; s < nsplit; s += GROUPS) x = fmaf(expf(lp[s] - mx), op[(size_t)s * D + c], x);
     part[grp][c] = x;
+    if (c == 0) {  // every thread of a group walked the same splits: one writes the group's maximum and sum
+        gmax[grp] = mx;
+        gsum[grp] = w;
+    }
     __syncthreads();
     if (t < D) {
-        for (int g = 1; g < GROUPS; ++g) x += part[g][c];
-        o[row * D + c] = Ty::store(x / wsum);
-        if (c == 0) lse[row] = mx + logf(wsum);
+        float m = NEG_INF;
+#pragma unroll
+        for (int g = 0; g < GROUPS; ++g) m = fmaxf(m, gmax[g]);
+        if (m == NEG_INF) {  // no split saw a key: the row's output is 0 and its lse -inf, as in the reference
+            o[row * D + c] = Ty::store(0.f);
+            if (c == 0) lse[row] = NEG_INF;
+            return;
+        }
+        float wsum = 0.f, acc = 0.f;
+#pragma unroll
+        for (int g = 0; g < GROUPS; ++g) {
+            const float a = expf(gmax[g] - m);  // 0 for a group that saw no key
+            wsum = fmaf(gsum[g], a, wsum);
+            acc = fmaf(part[g][c], a, acc);
+        }
+        o[row * D + c] = Ty::store(acc / wsum);
+        if (c == 0) lse[row] = m + logf(wsum);
     }
 }
 
