@@ -227,13 +227,16 @@ profile-backward: setup
 	$(call ncu_summary,ncu_bwd_pipe.csv,stalls_bwd_pipe)
 	$(call ncu_summary,ncu_bwd_sdpa.csv,stalls_bwd_sdpa_flash)
 
-# The Hopper backward kernels under the same metrics, with wgmma's own tensor pipe (gmma) beside mma.sync's (hmma).
+# The Hopper backward kernels under the same metrics, with wgmma's own tensor pipe (gmma) beside mma.sync's (hmma)
+# (Nsight Compute on the H200 answered n/a for the gmma metric in the recorded run).
 GMMA_STALLS := $(STALLS),sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active
+BWD_HOPPER := wgmma wgmma_overlap wgmma_bulk wgmma_balanced
 profile-backward-hopper: setup
 	mkdir -p build data/raw/ncu
 	$(PROFILE) provenance --command "make profile-backward-hopper" > build/ncu_provenance.json
-	for impl in wgmma wgmma_overlap wgmma_bulk wgmma_balanced; do for d in 64 128; do $(NCU) -k regex:bwd_wgmma $(GMMA_STALLS) \
-	    $(PROFILE) --pass backward --impl $$impl --d $$d --n 4096 --batch 4; done; done > data/raw/ncu/ncu_bwd_wgmma.csv
+	rm -f data/raw/ncu/ncu_bwd_wgmma.csv
+	$(foreach k,$(BWD_HOPPER),$(foreach d,64 128,$(NCU) -k regex:bwd_wgmma $(GMMA_STALLS) $(PROFILE) --pass backward \
+	    --impl $(k) --d $(d) --n 4096 --batch 4 >> data/raw/ncu/ncu_bwd_wgmma.csv &&)) true
 	$(call ncu_summary,ncu_bwd_wgmma.csv,stalls_bwd_wgmma)
 
 # Every kernel once at ragged shapes under compute-sanitizer; fails on any memory error or race.
