@@ -189,21 +189,28 @@ def test_bench_host_times_the_window_call_when_asked(stand_in, preallocated):
     assert list(host._calls(fgpu, args, preallocated)) == list(host.OPS)  # without --window, as recorded
 
 
-def test_backward_with_out_and_a_workspace_allocates_nothing_on_later_calls(stand_in):
+@pytest.mark.parametrize("kernel", ["best", "pipe"])
+def test_backward_with_out_and_a_workspace_allocates_nothing_on_later_calls(stand_in, kernel):
+    """On the stand-in sm_90 device "best" is the Hopper kernel (HOPPER_BEST, with its tiled dQ buffer and its own
+    converter); "pipe" is what it runs before Hopper. Either way a later call reads no file, allocates nothing and
+    clears the workspace's dQ buffer before adding into it."""
     cp, counts = stand_in.cp, stand_in.counts
     q, k, v, o, do = (_half(cp, 1, 2, 64, 64) for _ in range(5))
     lse = hostemu._wrap(np.zeros((1, 2, 64), np.float32))
     grads = tuple(_half(cp, 1, 2, 64, 64) for _ in range(3))
     ws = fgpu.Workspace()
-    fgpu.attention_backward(q, k, v, o, lse, do, out=grads, workspace=ws)
-    assert sorted(set(counts.reads)) == sorted({gbwd.KERNEL_FILE, gbwd.PIPE_FILE})
+    fgpu.attention_backward(q, k, v, o, lse, do, out=grads, workspace=ws, kernel=kernel)
+    name = gbwd.HOPPER_BEST if kernel == "best" else kernel
+    mk = gbwd.MAIN_KERNELS[name]
+    assert sorted(set(counts.reads)) == sorted({gbwd.KERNEL_FILE, pathlib.Path(mk.file).name})
     before, launched = counts.snapshot(), len(counts.launches)
-    acc = ws.get("bwd_dq_acc", q.shape, np.float32)
+    acc = ws.get("bwd_dq_acc", mk.dq_buffer_shape(1, 2, 64, 64), np.float32)
     acc[...] = 7.0  # what a previous call left: the next call must clear it
-    result = fgpu.attention_backward(q, k, v, o, lse, do, out=grads, workspace=ws)
+    result = fgpu.attention_backward(q, k, v, o, lse, do, out=grads, workspace=ws, kernel=kernel)
     assert all(a is b for a, b in zip(result, grads, strict=True))
     assert counts.snapshot() == before
-    assert [name for name, _ in counts.launches[launched:]] == ["bwd_dot_f16_d64", "bwd_pipe_f16_d64", "bwd_dq_f16"]
+    convert = "bwd_dq_tiles_f16_d64" if mk.dq_tiles else "bwd_dq_f16"
+    assert [n for n, _ in counts.launches[launched:]] == ["bwd_dot_f16_d64", f"{mk.stem}_f16_d64", convert]
     assert not acc.any()  # the dq accumulator was zeroed before the main kernel
     assert counts.launches[-2][1][6] is acc  # and it is the workspace's buffer the main kernel adds into
 
