@@ -162,11 +162,9 @@ def test_backward_profile_shows_pipe_issue_bound_beside_sdpa_flash():
     (sdpa,) = (p["metrics"] for p in records.read_record("ncu/stalls_bwd_sdpa_flash")["processes"])
     ours = procs["bwd_pipe_f16_d128"]
 
-    def stalls(m):
-        return sum(v for k, v in m.items() if "issue_stalled" in k and "_selected_" not in k)
-
     assert 2.5 < ours["smsp__inst_executed.sum"] / sdpa["smsp__inst_executed.sum"] < 3.5
-    assert stalls(ours) < stalls(sdpa) and ours["gpu__time_duration.sum"] > sdpa["gpu__time_duration.sum"]
+    assert profile.stall_cycles(ours) < profile.stall_cycles(sdpa)
+    assert ours["gpu__time_duration.sum"] > sdpa["gpu__time_duration.sum"]
     warps = "sm__warps_active.avg.pct_of_peak_sustained_active"
     assert abs(ours[warps] - sdpa[warps]) < 0.5
 
@@ -686,10 +684,7 @@ def test_chapter_11_backward_profile_statements_hold():
     procs = {p["kernels"][0]["name"]: p["metrics"] for p in records.read_record("ncu/stalls_bwd_wgmma")["processes"]}
     kernels = ("wgmma", "wgmma_overlap", "wgmma_bulk", "wgmma_balanced")
     assert set(procs) == {f"bwd_{k}_f16_d{d}" for k in kernels for d in (64, 128)}
-    stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
-
-    def total(m):
-        return sum(v for k, v in m.items() if "issue_stalled" in k and "_selected_" not in k)
+    stall, total = profile.STALL, profile.stall_cycles
 
     def on_global(m):
         return m[stall.format("lg_throttle")] + m[stall.format("long_scoreboard")]

@@ -69,6 +69,15 @@ def summarize(csv_text: str) -> list[dict]:
     return out
 
 
+STALL = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"  # .format(reason): a stall-reason metric
+
+
+def stall_cycles(metrics: dict[str, float]) -> float:
+    """All stall cycles per issued instruction in a summary's ``metrics`` (the ``STALL`` reasons it holds), the
+    issue itself ("selected") left out."""
+    return sum(v for k, v in metrics.items() if "issue_stalled" in k and "_selected_" not in k)
+
+
 _KERNEL_LINE = re.compile(r"^  (\w+) \(\d+, \d+, \d+\)x\(\d+, \d+, \d+\)")
 _METRIC_LINE = re.compile(r"^    (\S.*?\S)\s{2,}(\S+)?\s+([\d,.]+)$")
 

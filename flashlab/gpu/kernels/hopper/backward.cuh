@@ -77,9 +77,10 @@ __device__ __forceinline__ void bulk_wait() {
     asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// The last kernel of the bulk-dQ kernels (bwd_h3, bwd_h4; BR query rows a tile): dQ = scale dQ_acc, rounded: thread p reads the p-th 16 bytes of the tiled buffer (consecutive threads,
-// consecutive bytes), the main kernel's accumulator block j of thread i of warpgroup w in tile T, and writes its
-// four values where they belong: rows 16 warp + g and + 8 of the tile, columns w D / 2 + 8 j + 2 t and + 1.
+// The last kernel of the bulk-dQ kernels (bwd_h3, bwd_h4; BR query rows a tile): dQ = scale dQ_acc, rounded.
+// Thread p reads the p-th 16 bytes of the tiled buffer (consecutive threads, consecutive bytes), the main kernel's
+// accumulator block j of thread i of warpgroup w in tile T, and writes its four values where they belong: rows
+// 16 warp + g and + 8 of the tile, columns w D / 2 + 8 j + 2 t and + 1.
 template <class Ty, int D, int BR>
 __device__ void bwd_dq_tiles(const float* __restrict__ acc, u16* __restrict__ dq, float scale, int n,
                              long long blocks) {
