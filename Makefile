@@ -117,7 +117,7 @@ bench-hopper: setup
 
 bench-decode: setup
 	$(BENCH) decode --m 65536 --splits 4 16 20 41 64 128 256 --repeat 20 --warmup 3 --rounds 2
-	$(BENCH) decode --name decode_gqa --m 131072 --heads 32 --kv-heads 8 --kernels keys mma --splits 16 33 66 132 264 \
+	$(BENCH) decode --name decode_gqa --m 131072 --heads 32 --kv-heads 8 --kernels keys mma fused --splits 16 33 66 132 264 \
 	    --repeat 20 --warmup 3 --rounds 2
 
 bench-memory: setup
@@ -214,6 +214,8 @@ profile-decode: setup
 	    > data/raw/ncu/ncu_decode_keys_gqa.txt
 	ncu --profile-from-start off --clock-control none $(DECODE_SECTIONS) $(PROFILE) --impl mma $(DECODE_SHAPE) \
 	    > data/raw/ncu/ncu_decode_mma_gqa.txt
+	ncu --profile-from-start off --clock-control none $(DECODE_SECTIONS) $(PROFILE) --impl fused $(DECODE_SHAPE) \
+	    > data/raw/ncu/ncu_decode_fused_gqa.txt
 
 profile-backward: setup
 	mkdir -p build data/raw/ncu

@@ -483,6 +483,45 @@ def test_chapter8_gqa_decoding_marks_one_wave_and_says_what_the_record_shows():
     assert apart("throughput") < 0.01 and apart("latency") >= 0.1
 
 
+def test_chapter_8_fused_decoding_section_holds_to_the_record_and_the_profile():
+    """The section on kernel="fused": the split kernel alone (profile) under cuDNN's step and cuDNN's step under
+    "mma"'s (back to back); the tree of a GQA step as the text counts it; the tree equal to one merge; and the
+    measured cell saying that no run is recorded until the record has rows of "fused"."""
+    from flashlab.bench import profile
+
+    lesson = text(cell_by_id(CH8, "decode-fused-text"))
+    rows = [r for r in records.read_record("ch8/decode_gqa")["rows"] if "error" not in r]
+    r0 = rows[0]
+    thr = {r["impl"]: r["median_ms"] * 1e3 for r in rows if records.protocol_of(r) == "throughput"}
+    times = dict(profile.report_metrics((records.DATA_DIR / "raw" / "ncu" / "ncu_decode_mma_gqa.txt").read_text()))
+    split_us = next(m["Duration"] for name, m in times.items() if name.startswith("decode_mma"))
+    # "The split kernel of "mma" alone streams the cache in about the copy time ... cuDNN's whole step lands
+    # between the two"
+    assert "cuDNN's whole step lands" in lesson and "between the two" in lesson
+    assert abs(split_us / (r0["read_once_ms"] * 1e3) - 1) < 0.05
+    assert split_us < thr["sdpa_cudnn"] < thr["mma"]
+    # "At 66 splits that is 5 merges of at most 16 partials each ..., then one merge of 5"; 66 × 4 × 512 B = 135 KB
+    S = decoding.resolve_num_splits(1, r0["heads"], r0["kv_heads"], 1, r0["m"], None, 132, "fused")
+    runs = math.ceil(S / decoding.MERGE_FAN)
+    assert f"At {S} splits that is {runs} merges of at most {decoding.MERGE_FAN} partials" in lesson
+    assert f"then one merge of {runs}" in lesson and decoding.merge_tree_sizes(S) == (runs, runs + 1)
+    group = r0["heads"] // r0["kv_heads"]
+    assert f"({S} splits, {group} rows)" in lesson
+    assert f"{S} × {group} × {r0['d'] * 4} B = {S * group * r0['d'] * 4 / 1000:.0f} KB" in lesson
+    ns: dict = {}
+    run_cells(CH8, ["dc4264cb", "a122168c", "decode-gqa"], ns)
+    ns["plt"].close("all")
+    printed = run_cells(CH8, ["decode-ncu", "decode-fused-tree", "decode-fused-measured"], ns)
+    assert f"{S} splits -> levels {S} -> {runs} -> 1" in printed
+    diff = re.search(r"max \|o diff\| = ([0-9.e+-]+), max \|lse diff\| = ([0-9.e+-]+)", printed)
+    assert float(diff[1]) < 1e-12 and float(diff[2]) < 1e-12
+    assert f"split kernel {split_us:.1f} us" in printed
+    if "fused" not in thr:
+        assert "No run of 'fused' is recorded yet" in printed
+    else:
+        assert "'fused'" in printed and "No run of 'fused'" not in printed
+
+
 # --- every timed table states its protocol and units -------------------------------------------------------------
 
 RECORD_READ = re.compile(r"""(?:read_record|recorded)\(\s*["']([\w/]+)["']""")

@@ -60,6 +60,31 @@ def test_merge_partials_empty_splits_and_huge_lse():
         decoding.merge_partials(np.zeros((2, 3, 4)), np.zeros((2, 4)))
 
 
+def test_the_fused_kernels_merge_tree_is_one_merge_and_its_sizes_count_its_levels(rng):
+    """The "fused" kernel merges runs of MERGE_FAN partials level by level: the same result as one merge (the rule
+    is associative), with empty splits anywhere and huge lse; and merge_tree_sizes counts what the kernel walks:
+    the nodes above level 0 short of the root, and one counter per run of every level."""
+    for S in (1, 2, 15, 16, 17, 66, 255, 256, 257, 300, 4097):
+        levels = [S]
+        while levels[-1] > 1:
+            levels.append(-(-levels[-1] // decoding.MERGE_FAN))
+        counters = sum(levels[1:]) if S > 1 else 1
+        assert decoding.merge_tree_sizes(S) == (sum(levels[1:-1]), counters), S
+    for S in (1, 5, 16, 17, 66, 300):
+        o_parts = rng.standard_normal((3, 2, S, 8))
+        lse_parts = rng.standard_normal((3, 2, S)) * rng.choice([1.0, 1000.0], size=(3, 2, S))
+        lse_parts[0, 1, rng.random(S) < 0.5] = -np.inf  # some splits saw no key
+        o_parts[0, 1][np.isneginf(lse_parts[0, 1])] = 0
+        lse_parts[1, 0] = -np.inf  # a row that saw no key at all
+        o_parts[1, 0] = 0
+        o, lse = decoding.merge_tree_numpy(o_parts, lse_parts)
+        o1, lse1 = decoding.merge_partials(o_parts, lse_parts)
+        np.testing.assert_allclose(o, o1, rtol=1e-12, atol=1e-12)
+        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse1))
+        np.testing.assert_allclose(lse[np.isfinite(lse1)], lse1[np.isfinite(lse1)], rtol=1e-14)
+        assert (o[1, 0] == 0).all()
+
+
 def test_split_ranges_cover_the_keys_in_whole_tiles(rng):
     for _ in range(200):
         m, s = int(rng.integers(1, 100_000)), int(rng.integers(1, 300))
@@ -134,7 +159,7 @@ def _gpu_helpers():
 
 # Split kernels that round P to the input type before P V, as the forward kernels do (the mma takes 16-bit inputs);
 # the others keep P in fp32.
-P_ROUNDED = ("mma",)
+P_ROUNDED = ("mma", "fused")
 
 
 def _check_decode(rng, dt, B, H, Hk, n, m, d, causal, num_splits, lengths, magnitude=1.0, scale=None,
@@ -331,6 +356,39 @@ def test_decode_bad_inputs_get_clear_errors():
         fgpu.decode(x, x, x, kernel="fast")
     with pytest.raises(ValueError, match="divide"):
         fgpu.decode(x, x[:, :1].repeat(3, axis=1), x[:, :1].repeat(3, axis=1))
+
+
+@pytest.mark.gpu
+def test_fused_kernel_equals_split_then_merge_and_leaves_its_counters_at_zero(rng):
+    """kernel="fused" writes the same level-0 partials as "mma" (bit for bit: the same loop), merges them as
+    merge_tree_numpy does (to fp32 rounding, then one rounding to the output type), and leaves every counter of
+    its tree at zero, so that the next call through the same workspace (with fewer or more splits, one to three
+    levels) merges correctly again."""
+    import cupy as cp
+
+    import flashlab.gpu as fgpu
+
+    ws = fgpu.Workspace()
+    for B, H, Hk, n, m, d, causal, splits in ((1, 8, 2, 1, 3000, 128, False, 66), (2, 4, 1, 3, 1000, 64, True, 20),
+                                               (1, 4, 2, 2, 9000, 128, True, 300), (1, 2, 2, 1, 40, 64, False, 1),
+                                               (1, 8, 2, 1, 3000, 128, False, None)):
+        q = cp.asarray(rng.standard_normal((B, H, n, d)).astype(np.float16))
+        k, v = (cp.asarray(rng.standard_normal((B, Hk, m, d)).astype(np.float16)) for _ in range(2))
+        o_m, l_m, op_m, lp_m = fgpu.decode(q, k, v, num_splits=splits, causal=causal, kernel="mma",
+                                           return_partials=True)
+        for _ in range(2):
+            o, lse, op, lp = fgpu.decode(q, k, v, num_splits=splits, causal=causal, kernel="fused",
+                                         return_partials=True, workspace=ws)
+            what = (B, H, Hk, n, m, d, causal, splits)
+            np.testing.assert_array_equal(op.get(), op_m.get(), err_msg=str(what))
+            np.testing.assert_array_equal(lp.get(), lp_m.get(), err_msg=str(what))
+            o_tree, l_tree = decoding.merge_tree_numpy(op.get(), lp.get())
+            assert np.abs(o.get().astype(np.float64) - o_tree).max() <= 2.0**-10 * max(1.0, np.abs(o_tree).max()), what
+            assert np.abs(lse.get() - l_tree).max() <= 1e-5 * max(1.0, np.abs(l_tree).max()), what
+            assert np.abs(o.astype(cp.float32) - o_m.astype(cp.float32)).max() <= 2.0**-10, what
+            chunks = -(-(H // Hk * n) // decoding.MMA_ROWS)
+            shape = (B * Hk * chunks * decoding.merge_tree_sizes(op.shape[3])[1],)
+            assert not ws.get("decode_counters", shape, cp.int32, zero=True).any(), what
 
 
 # ------------------------------------------------------------------------------------ lab 08: grading diagnoses

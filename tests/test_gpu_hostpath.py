@@ -174,19 +174,22 @@ def test_window_call_is_planned_once_per_signature_and_still_checks_each_call(st
 
 
 @pytest.mark.parametrize("preallocated", [False, True])
-def test_bench_host_times_the_window_call_when_asked(stand_in, preallocated):
-    """``python -m flashlab bench host --window W``: an op row of its own, a call that launches the window kernel."""
+@pytest.mark.parametrize("extra,op,launched", [(["--window", "128"], "attention_window", "attn_window_f16_d128"),
+                                               (["--decode-kernels", "fused"], "decode_fused",
+                                                "decode_fused_f16_d128")])
+def test_bench_host_times_further_calls_when_asked(stand_in, preallocated, extra, op, launched):
+    """``python -m flashlab bench host --window W`` and ``--decode-kernels fused``: an op row of its own, a call that
+    launches the window kernel or the fused decoding kernel alone."""
     from flashlab.bench import host
 
     counts = stand_in.counts
-    args = host.parser().parse_args(["--n", "256", "--heads", "2", "--m", "512", "--window", "128"])
-    calls = host._calls(fgpu, args, preallocated)
-    assert list(calls) == [*host.OPS, "attention_window"]
-    launched = len(counts.launches)
-    calls["attention_window"]()
-    assert [name for name, _ in counts.launches[launched:]] == ["attn_window_f16_d128"]
-    args = host.parser().parse_args(["--n", "256", "--heads", "2", "--m", "512"])
-    assert list(host._calls(fgpu, args, preallocated)) == list(host.OPS)  # without --window, as recorded
+    base = ["--n", "256", "--heads", "2", "--m", "512"]
+    calls = host._calls(fgpu, host.parser().parse_args([*base, *extra]), preallocated)
+    assert list(calls) == [*host.OPS, op]
+    before = len(counts.launches)
+    calls[op]()
+    assert [name for name, _ in counts.launches[before:]] == [launched]
+    assert list(host._calls(fgpu, host.parser().parse_args(base), preallocated)) == list(host.OPS)  # as recorded
 
 
 @pytest.mark.parametrize("kernel", ["best", "pipe"])
@@ -234,6 +237,26 @@ def test_decode_default_lengths_pass_a_null_pointer_and_reuse_the_workspace(stan
     # Given lengths travel as a device array, and fewer splits reuse the workspace's buffers.
     fgpu.decode(q, kc, vc, out=out, workspace=ws, lengths=[500], num_splits=2)
     assert isinstance(counts.launches[-2][1][3], np.ndarray) and ws.nbytes == held
+
+
+def test_fused_decode_is_one_launch_with_its_tree_in_the_workspace(stand_in):
+    """kernel="fused" launches the split kernel alone, with the tree's buffers and counters from the workspace: the
+    counters zeroed when allocated (the kernel leaves them at zero), nothing allocated on the next call."""
+    cp, counts = stand_in.cp, stand_in.counts
+    q = _half(cp, 1, 32, 1, 128)
+    kc, vc = _half(cp, 1, 8, 20000, 128), _half(cp, 1, 8, 20000, 128)
+    out = (_half(cp, 1, 32, 1, 128), hostemu._wrap(np.empty((1, 32, 1), np.float32)))
+    ws = fgpu.Workspace()
+    fgpu.decode(q, kc, vc, out=out, workspace=ws, kernel="fused", num_splits=66)
+    before, launched = counts.snapshot(), len(counts.launches)
+    fgpu.decode(q, kc, vc, out=out, workspace=ws, kernel="fused", num_splits=66)
+    assert counts.snapshot() == before
+    (name, args), = counts.launches[launched:]
+    assert name == "decode_fused_f16_d128"
+    tree_o, tree_l, counters, o, lse, ntree, ncount = args[-7:]
+    assert o is out[0] and lse is out[1] and (int(ntree), int(ncount)) == decoding.merge_tree_sizes(66) == (5, 6)
+    assert tree_o.shape == (32, 5, 128) and tree_l.shape == (32, 5)
+    assert counters is ws.get("decode_counters", (8 * 6,), np.int32) and not counters.any()
 
 
 def test_decode_plans_a_signature_once_and_still_checks_each_call(stand_in, monkeypatch):

@@ -38,6 +38,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=1024, help="sequence length of attention and its backward")
     p.add_argument("--heads", type=int, default=16, help="heads of attention and its backward")
     p.add_argument("--m", type=int, default=4096, help="cache length of decode (batch 1, 32 heads, one token)")
+    p.add_argument("--decode-kernels", nargs="+", default=[], metavar="K",
+                   help="also time decode(..., kernel=K) for each K, as the op decode_K (e.g. fused: one launch)")
     p.add_argument("--window", type=int, default=None, metavar="W",
                    help="also time attention(..., window=(W, 0)), the block-sparse path (its own op row)")
     return p
@@ -81,6 +83,10 @@ def _calls(gpu, args: argparse.Namespace, preallocated: bool) -> dict:
         calls = {"attention": lambda: gpu.attention(q, k, v),
                  "attention_backward": lambda: gpu.attention_backward(q, k, v, o, lse, do),
                  "decode": lambda: gpu.decode(qd, kc, vc)}
+    for kern in getattr(args, "decode_kernels", ()):  # a --baseline without the kernel gets no such row
+        if kern in getattr(gpu.decoding, "KERNELS", ()):
+            dec = {"out": dec_out, "workspace": ws_dec} if preallocated else {}
+            calls[f"decode_{kern}"] = lambda kern=kern, dec=dec: gpu.decode(qd, kc, vc, kernel=kern, **dec)
     if args.window is not None and "window" in inspect.signature(gpu.attention).parameters:  # a --baseline may lack it
         calls["attention_window"] = lambda: gpu.attention(q, k, v, window=(args.window, 0), **fwd)
     return calls
@@ -107,8 +113,9 @@ def run(args: argparse.Namespace, rows: list[dict]) -> None:
                 q1, med, q3 = statistics.quantiles(times, n=4)
                 extra = {"window": [args.window, 0]} if op == "attention_window" else {}
                 rows.append({"pass": "host", "op": op, **extra, "version": label, "call": style, "d": args.d,
-                             "n": 1 if op == "decode" else args.n, "m": args.m if op == "decode" else args.n,
-                             "heads": 32 if op == "decode" else args.heads, "batch": 1, "dtype": "float16",
+                             "n": 1 if op.startswith("decode") else args.n,
+                             "m": args.m if op.startswith("decode") else args.n,
+                             "heads": 32 if op.startswith("decode") else args.heads, "batch": 1, "dtype": "float16",
                              "host_us": round(statistics.median(times), 2), "host_us_q1": round(q1, 2),
                              "host_us_q3": round(q3, 2), "repeat": args.repeat})
                 print(f"  {label:<10} {style:<12} {op:<20} {rows[-1]['host_us']:8.1f} us "

@@ -562,9 +562,9 @@ class Workspace:
         self._flat: dict[str, Any] = {}
         self._views: dict[tuple, Any] = {}
 
-    def get(self, name: str, shape: tuple[int, ...], dtype) -> Any:
-        """The buffer ``name`` as an uninitialised array of ``shape`` and ``dtype`` (contents left by the last
-        call that used it)."""
+    def get(self, name: str, shape: tuple[int, ...], dtype, zero: bool = False) -> Any:
+        """The buffer ``name`` as an array of ``shape`` and ``dtype``, holding what the last call that used it left
+        there; uninitialised when new, or zeros with ``zero=True`` (counters that every call leaves at zero)."""
         key = (name, shape, dtype)
         view = self._views.get(key)
         if view is not None:
@@ -573,7 +573,7 @@ class Workspace:
         size = math.prod(shape)
         flat = self._flat.get(name)
         if flat is None or flat.size < size or flat.dtype != dtype:
-            flat = cp.empty(max(size, 1), dtype=dtype)
+            flat = (cp.zeros if zero else cp.empty)(max(size, 1), dtype=dtype)
             self._flat[name] = flat
             self._views = {k: v for k, v in self._views.items() if k[0] != name}  # views of the old buffer
         view = flat[:size].reshape(shape)

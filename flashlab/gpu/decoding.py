@@ -16,7 +16,9 @@ Kernels: ``kernels/decode_r1_split.cu`` (``kernel="rows"``: the first version, w
 a 32-key tile in shared memory; and the merge kernel), ``kernels/decode_r2_warp_keys.cu`` (``kernel="keys"``: warps
 share out the keys and stream them from global memory with many 16-byte loads in flight, the query rows in
 registers) and ``kernels/decode_r3_mma.cu`` (``kernel="mma"``: a group's query rows are the 16 rows of a tensor-core
-mma, a warp per block streaming its keys through a cp.async ring). "best" takes "mma" from sm_80 on (on the H200 it
+mma, a warp per block streaming its keys through a cp.async ring; ``kernel="fused"``: the same kernel with the merge
+inside it, done by the blocks that finish last as a tree of fan-in ``MERGE_FAN``, so that a step is one launch).
+"best" takes "mma" from sm_80 on (on the H200 it
 ran within two per cent of "keys" with one query row per K/V head and faster with GQA groups, under both protocols:
 data/ch8/decode.json, decode_gqa.json), "keys" on sm_75. Inputs fp16, or bf16 bit patterns in uint16 with
 ``bf16=True`` (see ``flashlab.gpu``).
@@ -57,7 +59,9 @@ KERNEL_FILE = "decode_r1_split.cu"  # the "rows" split kernel and the merge kern
 KEYS_FILE = "decode_r2_warp_keys.cu"
 MMA_FILE = "decode_r3_mma.cu"
 KERNEL_FILES = (KERNEL_FILE, KEYS_FILE, MMA_FILE)
-KERNELS = ("mma", "keys", "rows")  # fastest first on the H200: "best" takes the first this GPU runs
+# "best" takes the first this GPU runs: "mma", "keys", "rows" are fastest first on the H200; "fused" is not yet
+# ranked (no record times it), so it runs when asked for by name
+KERNELS = ("mma", "fused", "keys", "rows")
 BLOCK_KEYS = 32  # keys per tile of the "rows" kernel (BC in the .cu); split lengths are multiples of it for both
 BLOCK_ROWS = 32  # query rows (heads of a group x query tokens) per block of the "rows" kernel (ROWS in the .cu)
 KEYS_ROWS = (1, 2, 4, 8)  # row counts the "keys" kernel is compiled for (R in the .cu): the smallest that fits
@@ -68,7 +72,7 @@ MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs (launch share, merg
 # chapter 8 assume.
 BLOCKS_PER_SM = {"rows": 4}
 KEYS_BLOCKS_PER_SM = {1: 5, 2: 4, 4: 4, 8: 2}  # the "keys" kernel, by query rows per block (R)
-FILES = {"mma": MMA_FILE, "keys": KEYS_FILE, "rows": KERNEL_FILE}
+FILES = {"mma": MMA_FILE, "fused": MMA_FILE, "keys": KEYS_FILE, "rows": KERNEL_FILE}
 THREADS = 128  # threads per block of the "keys" and "rows" split kernels
 MERGE_THREADS = 1024  # of the merge kernel (MT in decode_r1_split.cu)
 MIN_CC = 75  # plain CUDA (bf16 stored by hand below sm_80); static shared memory only (< 48 KB)
@@ -76,8 +80,10 @@ MMA_ROWS = 16  # query rows per block of the "mma" kernel: the rows of one mma.s
 MMA_THREADS = 32  # one warp per block
 MMA_MIN_CC = 80  # mma.sync m16n8k16 with bf16 inputs, cp.async
 MMA_BLOCKS_PER_SM = 4  # its 48 KB ring of static shared memory per block at d = 128, as on sm_90
+MERGE_FAN = 16  # nodes a block of the "fused" kernel merges at once (FAN in decode_r3_mma.cu)
 FILE_MIN_CC = {KERNEL_FILE: MIN_CC, KEYS_FILE: MIN_CC, MMA_FILE: MMA_MIN_CC}  # the oldest GPU each file builds for
-SPLIT_THREADS = {"mma": MMA_THREADS, "keys": THREADS, "rows": THREADS}  # threads per block of each split kernel
+# threads per block of each split kernel
+SPLIT_THREADS = {"mma": MMA_THREADS, "fused": MMA_THREADS, "keys": THREADS, "rows": THREADS}
 
 
 @functools.lru_cache(maxsize=64)
@@ -122,6 +128,33 @@ def merge_partials(o_parts, lse_parts) -> tuple[np.ndarray, np.ndarray]:
         lse = np.where(total[..., 0] > 0, safe[..., 0] + np.log(np.where(total[..., 0] > 0, total[..., 0], 1)),
                        -np.inf)
     return o, lse
+
+
+def merge_tree_sizes(num_splits: int, fan: int = MERGE_FAN) -> tuple[int, int]:
+    """The "fused" kernel's merge tree over ``num_splits`` partials: ``(nodes, counters)`` per row and per group,
+    i.e. the nodes above level 0 that are not the root (each row's share of the tree buffers) and the counters of
+    all runs of ``fan`` nodes, the root's run included (as ``merge_tree`` in decode_r3_mma.cu walks them)."""
+    nodes = counters = 0
+    level = num_splits
+    while True:
+        up = math.ceil(level / fan)
+        counters += up
+        if up == 1:
+            return nodes, counters
+        nodes += up
+        level = up
+
+
+def merge_tree_numpy(o_parts, lse_parts, fan: int = MERGE_FAN) -> tuple[np.ndarray, np.ndarray]:
+    """The "fused" kernel's merge in float64: ``merge_partials`` applied to runs of ``fan`` consecutive partials,
+    level by level, until one is left. Equal to one ``merge_partials`` up to rounding (the rule is associative),
+    which is why the kernel may merge in a tree."""
+    o, lse = np.asarray(o_parts, np.float64), np.asarray(lse_parts, np.float64)
+    while True:
+        runs = [merge_partials(o[..., i:i + fan, :], lse[..., i:i + fan]) for i in range(0, lse.shape[-1], fan)]
+        o, lse = np.stack([r[0] for r in runs], axis=-2), np.stack([r[1] for r in runs], axis=-1)
+        if lse.shape[-1] == 1:
+            return o[..., 0, :], lse[..., 0]
 
 
 def split_length(m: int, num_splits: int) -> int:
@@ -188,7 +221,7 @@ def block_rows(kernel: str, rows: int) -> int:
     (else 8)."""
     if kernel == "rows":
         return BLOCK_ROWS
-    if kernel == "mma":
+    if kernel in ("mma", "fused"):
         return MMA_ROWS
     return next((r for r in KEYS_ROWS if r >= rows), KEYS_ROWS[-1])
 
@@ -239,13 +272,16 @@ def default_splits_here(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], d: 
 
 def built_blocks_per_sm(kernel: str, rows: int) -> int:
     """Blocks per SM a split kernel of ``rows`` query rows per block is built for (as on sm_90)."""
-    if kernel == "mma":
+    if kernel in ("mma", "fused"):
         return MMA_BLOCKS_PER_SM
     return KEYS_BLOCKS_PER_SM[rows] if kernel == "keys" else BLOCKS_PER_SM[kernel]
 
 
 # ------------------------------------------------------------------------------------------------ GPU: launch
 def _kernels(dt: str, d: int, kernel: str, rows: int):
+    """The split kernel and the merge kernel a step launches (no merge kernel for "fused", which merges itself)."""
+    if kernel == "fused":
+        return kernel_function(MMA_FILE, f"decode_fused_{dt}_d{d}"), None
     merge = kernel_function(KERNEL_FILE, f"decode_merge_{dt}_d{d}")
     if kernel == "rows":
         return kernel_function(KERNEL_FILE, f"decode_split_{dt}_d{d}"), merge
@@ -281,7 +317,7 @@ class _Step:
 
     dt: str  # "f16" or "bf16"
     split: Any  # the split kernel, compiled and loaded
-    merge: Any
+    merge: Any  # the merge kernel; None for "fused"
     grid: tuple[int, int, int]
     threads: int
     dims: tuple  # n, m, H, Hk and the split length as np.int32: the split kernel's arguments after the arrays
@@ -292,6 +328,8 @@ class _Step:
     batch: int
     m: int
     scale: Any  # the default scale 1 / sqrt(d), as np.float32
+    tree: tuple[tuple[int, ...], tuple[int, ...], tuple[int]]  # "fused": shapes of tree_o, tree_l and the counters
+    tree_dims: tuple  # "fused": nodes and counters per row and group (``merge_tree_sizes``), as np.int32
 
 
 _CAUSAL = (np.int32(0), np.int32(1))
@@ -337,9 +375,11 @@ def _plan_step(q, k_cache, v_cache, bf16: bool, kernel: str, num_splits: int | N
     num_splits = int(num_splits)
     grid = (num_splits, Hk * chunks, B) if kernel == "rows" else (chunks, num_splits, B * Hk)
     dims = tuple(np.int32(x) for x in (n, m, H, Hk, split_length(m, num_splits)))
+    nodes, counters = merge_tree_sizes(num_splits)
+    tree = ((B * H * n, max(nodes, 1), d), (B * H * n, max(nodes, 1)), (B * Hk * chunks * counters,))
     return _Step(dt, split, merge, grid, SPLIT_THREADS[kernel], dims, np.int32(num_splits),
                  ((B, H, n, num_splits, d), (B, H, n, num_splits)), (B * H * n,), d, B, m,
-                 np.float32(check_scale(None, d)))
+                 np.float32(check_scale(None, d)), tree, (np.int32(nodes), np.int32(counters)))
 
 
 def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Sequence[int] | None = None,
@@ -355,8 +395,8 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     picks enough splits to fill the GPU with one wave of blocks (``default_num_splits``, with the kernel's
     occupancy on this GPU: ``resident_blocks``); 1 is the unsplit kernel (one block per (batch,
     K/V head, chunk of query rows)), followed by the same merge kernel, which then copies. ``kernel`` picks the
-    split kernel: "mma", "keys", "rows" (the first version; see the module's docstring) or "best" (the default:
-    "mma" from sm_80, "keys" on sm_75; ``plan_decode``).
+    split kernel: "mma", "fused" ("mma" with the merge inside, one launch), "keys", "rows" (the first version; see
+    the module's docstring) or "best" (the default: "mma" from sm_80, "keys" on sm_75; ``plan_decode``).
 
     o has q's shape and dtype; lse (q's shape without d, float32, natural log) is -inf for a row that sees no
     key (its o is 0). ``return_partials=True`` also returns the fp32 partials (o_parts (B, H, n, S, d),
@@ -365,7 +405,7 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     ``out`` = (o, lse) writes into given arrays instead of allocating them; ``workspace`` (a
     ``flashlab.gpu.Workspace``) keeps the partials from call to call (partials returned from a call with a
     workspace are its buffers, overwritten by the next call). With both and the default ``lengths``, a decoding
-    step allocates nothing and launches two kernels.
+    step allocates nothing and launches two kernels ("fused": one).
     """
     cp = _cupy()
     if not isinstance(causal, (bool, np.bool_)):
@@ -406,9 +446,19 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
         _check_out("out[0]", o, q.shape, q.dtype)
         _check_out("out[1]", lse, q.shape[:-1], cp.float32)
     # (n, d) inputs are passed as they are: a (1, 1, n, d) view would be the same pointer
-    step.split(step.grid, (step.threads,), (q, k_cache, v_cache, lens, o_parts, lse_parts, *step.dims, scale,
-                                             _CAUSAL[bool(causal)]))
-    step.merge(step.merge_grid, (MERGE_THREADS,), (o_parts, lse_parts, o, lse, step.num_splits))
+    args = (q, k_cache, v_cache, lens, o_parts, lse_parts, *step.dims, scale, _CAUSAL[bool(causal)])
+    if step.merge is None:  # "fused": the tree's nodes and its counters, which every call leaves at zero
+        if workspace is None:
+            tree_o, tree_l = cp.empty(step.tree[0], cp.float32), cp.empty(step.tree[1], cp.float32)
+            counts = cp.zeros(step.tree[2], cp.int32)
+        else:
+            tree_o = workspace.get("decode_tree_o", step.tree[0], cp.float32)
+            tree_l = workspace.get("decode_tree_lse", step.tree[1], cp.float32)
+            counts = workspace.get("decode_counters", step.tree[2], cp.int32, zero=True)
+        step.split(step.grid, (step.threads,), (*args, tree_o, tree_l, counts, o, lse, *step.tree_dims))
+    else:
+        step.split(step.grid, (step.threads,), args)
+        step.merge(step.merge_grid, (MERGE_THREADS,), (o_parts, lse_parts, o, lse, step.num_splits))
     if return_partials:
         return o, lse, o_parts, lse_parts
     return o, lse

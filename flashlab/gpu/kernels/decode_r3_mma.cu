@@ -257,11 +257,133 @@ __device__ void decode_mma(const u16* __restrict__ q, const u16* __restrict__ k,
     }
 }
 
+// ------------------------------------------------------------------------------------------------------------------
+// The same kernel with the merge inside it (kernel="fused"): no second launch. What the merge kernel of
+// decode_r1_split.cu costs a GQA step on the H200 is its own few microseconds plus the gap between two launches, and
+// the split kernel alone already streams the cache at the copy's speed: the gap to the read-once time is the merge.
+//
+// The blocks of a group (one chunk of query rows of one (batch, K/V head)) finish at about the same time, so the
+// merge must not fall to one block reading every partial: at S = 66 splits and 4 rows that is 135 KB through one
+// warp. Instead the partials are merged as a tree of fan-in FAN. The splits of a group form nodes of level 0; each
+// run of FAN consecutive nodes has a counter, and the block that arrives last at it (atomicAdd returns FAN - 1)
+// merges that run into one node of the next level and arrives there in turn. The block that merges the last run
+// writes o and lse. At FAN = 16 a GQA step (66 splits) takes two levels of at most 16 reads per lane per row, all
+// in flight together; a step with one row per group and 16 splits takes one.
+//
+// The order of memory operations, as in the CUDA programming guide's threadfence example: a node's writes, then
+// __threadfence() by every lane, then one lane's atomicAdd; the last arriver fences again and reads the nodes with
+// __ldcg (from L2, where the fences made the other SMs' writes visible; its own L1 may hold nothing stale, but
+// __ldcg needs no argument about it). The last arriver sets the counter back to 0, so the counters (zeroed once
+// when the workspace allocates them) are ready for the next call on the stream.
+//
+// Nodes above level 0 live in tree_o (rows, T, D) / tree_l (rows, T), T the number of them per row
+// (flashlab.gpu.decoding.merge_tree_sizes), so that the level-0 partials stay what the "mma" kernel writes.
+#define FAN 16
+
+template <int C>
+__device__ __forceinline__ void load_cols(float* x, const float* p) {  // C consecutive floats from L2
+    if constexpr (C == 4) {
+        const float4 v = __ldcg((const float4*)p);
+        x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+    } else {
+        const float2 v = __ldcg((const float2*)p);
+        x[0] = v.x, x[1] = v.y;
+    }
+}
+
+template <int C>
+__device__ __forceinline__ void store_cols(float* p, const float* x) {
+    if constexpr (C == 4)
+        *(float4*)p = make_float4(x[0], x[1], x[2], x[3]);
+    else
+        *(float2*)p = make_float2(x[0], x[1]);
+}
+
+template <class Ty, int D>
+__device__ void merge_tree(const float* __restrict__ opart, const float* __restrict__ lpart, float* tree_o,
+                           float* tree_l, int* counts, u16* __restrict__ o, float* __restrict__ lse, int n, int H,
+                           int Hk, int ntree, int ncount) {
+    constexpr int C = D / 32;  // columns per lane
+    const int lane = threadIdx.x, G = H / Hk, r0 = blockIdx.x * ROWS;
+    const int b = blockIdx.z / Hk, hk = blockIdx.z % Hk, nrows = min(ROWS, G * n - r0);
+    const size_t row_base = ((size_t)b * H + (size_t)hk * G) * n + r0;
+    int* cnt = counts + ((size_t)blockIdx.z * gridDim.x + blockIdx.x) * ncount;
+    // The level being merged: its nodes' arrays, row stride and first node; this block's node index in it
+    const float *src_o = opart, *src_l = lpart;
+    int stride = gridDim.y, first_node = 0, nodes = gridDim.y, idx = blockIdx.y, tree_at = 0, cnt_at = 0;
+    while (true) {
+        const int run = idx / FAN, start = run * FAN, members = min(FAN, nodes - start);
+        const int up = (nodes + FAN - 1) / FAN;  // nodes of the next level
+        __threadfence();  // this lane's writes of the node, before the arrival below
+        __syncwarp();
+        bool last = false;
+        if (lane == 0) {
+            last = atomicAdd(cnt + cnt_at + run, 1) == members - 1;
+            if (last) cnt[cnt_at + run] = 0;  // every member has arrived: ready for the next call
+        }
+        if (!__any_sync(0xffffffffu, last)) return;  // lane 0's answer, to every lane
+        __threadfence();
+        for (int r = 0; r < nrows; ++r) {
+            const size_t row = row_base + r;
+            float ls[FAN], os[FAN][C];
+#pragma unroll
+            for (int i = 0; i < FAN; ++i) {  // every load of the row issued before the first is used
+                const size_t at = row * stride + first_node + start + i;
+                ls[i] = i < members ? __ldcg(src_l + at) : NEG_INF;
+                if (i < members) load_cols<C>(os[i], src_o + at * D + lane * C);
+            }
+            float mx = NEG_INF;
+#pragma unroll
+            for (int i = 0; i < FAN; ++i) mx = fmaxf(mx, ls[i]);
+            float w = 0.f, x[C];
+#pragma unroll
+            for (int c = 0; c < C; ++c) x[c] = 0.f;
+            if (mx != NEG_INF) {  // else no node of the run saw a key: o = 0, lse = -inf, as in the reference
+#pragma unroll
+                for (int i = 0; i < FAN; ++i) {
+                    const float e = i < members ? expf(ls[i] - mx) : 0.f;  // 0 for a node that saw no key
+                    w += e;
+#pragma unroll
+                    for (int c = 0; c < C; ++c) x[c] = i < members ? fmaf(e, os[i][c], x[c]) : x[c];
+                }
+#pragma unroll
+                for (int c = 0; c < C; ++c) x[c] /= w;
+            }
+            const float l = mx == NEG_INF ? NEG_INF : mx + logf(w);
+            if (up == 1) {  // the root: the step's output, rounded to the inputs' type
+                u32 packed[C / 2];
+#pragma unroll
+                for (int c = 0; c < C; c += 2) packed[c / 2] = Ty::pack(x[c], x[c + 1]);
+                u16* dst = o + row * D + lane * C;
+                if constexpr (C == 4)
+                    *(uint2*)dst = make_uint2(packed[0], packed[1]);
+                else
+                    *(u32*)dst = packed[0];
+                if (lane == 0) lse[row] = l;
+            } else {
+                const size_t at = row * ntree + tree_at + run;
+                store_cols<C>(tree_o + at * D + lane * C, x);
+                if (lane == 0) tree_l[at] = l;
+            }
+        }
+        if (up == 1) return;
+        src_o = tree_o, src_l = tree_l, stride = ntree, first_node = tree_at;
+        tree_at += up, cnt_at += up, nodes = up, idx = run;
+    }
+}
+
 #define DEFINE_KERNEL(DT, TY, D)                                                                                   \
     extern "C" __global__ void __launch_bounds__(32) decode_mma_##DT##_d##D(                                       \
         const u16* q, const u16* k, const u16* v, const int* lens, float* opart, float* lpart, int n, int m, int H, \
         int Hk, int split_len, float scale, int causal) {                                                          \
         decode_mma<TY, D>(q, k, v, lens, opart, lpart, n, m, H, Hk, split_len, scale, causal);                     \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(32) decode_fused_##DT##_d##D(                                     \
+        const u16* q, const u16* k, const u16* v, const int* lens, float* opart, float* lpart, int n, int m, int H, \
+        int Hk, int split_len, float scale, int causal, float* tree_o, float* tree_l, int* counts, u16* o,         \
+        float* lse, int ntree, int ncount) {                                                                       \
+        decode_mma<TY, D>(q, k, v, lens, opart, lpart, n, m, H, Hk, split_len, scale, causal);                     \
+        merge_tree<TY, D>(opart, lpart, tree_o, tree_l, counts, o, lse, n, H, Hk, ntree, ncount);                  \
     }
 
 DEFINE_KERNEL(f16, F16, 64)
