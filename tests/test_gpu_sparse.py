@@ -181,6 +181,31 @@ def test_benchmark_table_takes_time_per_tile_against_dense_causal():
     window_row = next(line for line in table if line.startswith("sparse_window"))
     assert window_row.split()[-2:] == ["1.20", "1.25"]  # per tile vs dense causal, speed vs flex (0.75 / 0.6)
     assert any("out of memory" in line for line in table)
+    # a row of the residue classes is taken per tile it computes
+    rows.append({**base, "impl": "hopper_window", "pattern": "window 256", "density": 0.125,
+                 "computed_density": 0.05, "median_ms": 0.3, "tflops": 1.0})
+    ratios = sparse.per_tile_ratios(rows)
+    assert ratios[("hopper_window", "throughput", 1024, "window 256")] == pytest.approx((0.3 / 0.05) / (2.0 / 0.5))
+
+
+def test_computed_density_counts_the_tiles_of_each_residue_class():
+    """A dilated window as r classes: class c's mask is the pattern's mask on rows and columns c, c + r, ... (a
+    plain window), tiled on its own; computed_density counts those tiles over the whole grid's."""
+    from flashlab.bench import sparse
+
+    for n, window, r in ((1536, (600, 0), 3), (2048, (None, 0), 4), (1024, (100, 40), 2), (1000, (512, 0), 3)):
+        got = sparse.computed_density("hopper_window", n, window, r)
+        if n % r:
+            assert got is None
+            continue
+        mask = sparse.pattern_of(window, r).mask(n, n)
+        tiles = 0
+        for c in range(r):
+            cls = mask[c::r, c::r]
+            assert cls.sum() == mask[c::r].sum()  # a row sees only keys of its own class
+            tiles += blocksparse.from_mask(cls).block_mask(n // r, n // r, *sparse.TILE).computed.sum()
+        assert got == pytest.approx(tiles / (-(-n // sparse.TILE[0]) * -(-n // sparse.TILE[1])))
+        assert sparse.computed_density("sparse_window", n, window, r) is None
 
 
 class _FakeTorch:
@@ -332,14 +357,14 @@ def test_selfcheck_runs_each_sparse_kernel_this_gpu_runs_and_names_the_others(gp
             continue
         blocks = name == "sparse_blocks"
         cases = [c for c in selfcheck.SPARSE_CASES if (c[3] == "block_mask") == blocks]
-        assert len(cases) == 2
+        assert len(cases) == (2 if blocks else 3)
         expected += [(fgpu.SPARSE_FILE, f"attn_{'blocks' if blocks else 'window'}_{dt}_d{d}")
                      for dt in HALF for d in fgpu.HEAD_DIMS for _ in cases
                      if fgpu.sparse_problem(name, dt, d, True, a100) is None]
     with np.errstate(invalid="ignore"):
         assert selfcheck.main(["sparse"]) == 1
     out = capsys.readouterr().out
-    assert [(file, fn) for file, fn, _ in launches] == expected and len(expected) == 8 + 8 + 8
+    assert [(file, fn) for file, fn, _ in launches] == expected and len(expected) == 12 + 12 + 8
     assert out.count(" FAIL\n") == len(expected) and f"selfcheck: {len(expected)} FAILED" in out
     hopper_skips = out.count("skipped: the Hopper kernels are built for sm_90a")
     assert out.count("skipped") == hopper_skips == len(hopper) * per_kernel
@@ -353,9 +378,16 @@ def test_selfcheck_sparse_passes_under_the_host_emulation():
             "from flashlab.gpu import selfcheck; raise SystemExit(selfcheck.main(['sparse']))")
     res = subprocess.run([sys.executable, "-c", code, str(HOSTEMU.parent)], capture_output=True, text=True,
                          timeout=1800, cwd=HOSTEMU.parents[2])
+    from flashlab.gpu import selfcheck
+
     lines = [line for line in res.stdout.splitlines() if line.startswith("sparse ")]
     assert res.returncode == 0 and "selfcheck: all ok" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
-    assert sum(line.endswith(" ok") for line in lines) == len(fgpu.SPARSE_KERNELS) * 2 * len(fgpu.HEAD_DIMS) * 2
+    cases = {name: sum((c[3] == "block_mask") == (name in fgpu.SPARSE_MODES["blocks"]) for c in selfcheck.SPARSE_CASES)
+             for name in fgpu.SPARSE_KERNELS}
+    assert sum(line.endswith(" ok") for line in lines) == sum(cases.values()) * 2 * len(fgpu.HEAD_DIMS)
+    # the Hopper window kernel ran a dilation as residue classes at least once per dtype and d
+    assert sum(fgpu.residue_classes("hopper_window", how.get("dilation", 1), n, m) > 1
+               for n, m, _, how in selfcheck.SPARSE_CASES if how != "block_mask") == 1
 
 
 # ----------------------------------------------------------------------------------------------------- helpers
@@ -487,6 +519,30 @@ def test_dilated_windows(rng, dt, family):
                                          strict=True):
         _check(rng, dt, (1, 2, 1, n, m, d), blocksparse.dilated(r, left=left, right=right), window=(left, right),
                dilation=r, **_named(family, "window"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", HALF)
+def test_dilated_windows_by_residue_classes(rng, dt):
+    """Where the dilation divides n and m, the Hopper window kernel runs each residue class as a plain window (row
+    c + r a of a head is row a of class c): GQA, two batch entries, both d, a ragged last tile in a class, a
+    window shorter than the stride within a class, n != m, causal and not, and a class of two rows."""
+    cases = ((384, 384, None, 0, 3, 64), (390, 600, 90, 6, 3, 128), (400, 400, 300, 50, 4, 64),
+             (400, 400, 399, 0, 200, 128), (256, 512, 100, 3, 2, 128))
+    for n, m, left, right, r, d in cases:
+        assert fgpu.residue_classes("hopper_window", r, n, m) == r
+        _check(rng, dt, (2, 4, 2, n, m, d), blocksparse.dilated(r, left=left, right=right), window=(left, right),
+               dilation=r)
+    _check(rng, dt, (1, 2, 1, 300, 300, 64), blocksparse.dilated(3, left=80, right=0), window=(80, 80),
+           dilation=3, causal=True)  # causal=True cuts the right side at 0
+
+
+def test_residue_classes_only_where_the_dilation_divides_both_lengths():
+    assert fgpu.residue_classes("hopper_window", 4, 400, 800) == 4
+    assert fgpu.residue_classes("hopper_window", 4, 402, 800) == 1  # the last class would be short
+    assert fgpu.residue_classes("hopper_window", 4, 400, 802) == 1
+    assert fgpu.residue_classes("hopper_window", 1, 400, 800) == 1
+    assert fgpu.residue_classes("sparse_window", 4, 400, 800) == 1  # the sm_80 kernel masks the dilation
 
 
 @pytest.mark.gpu

@@ -21,8 +21,11 @@ and, per n, dense causal attention by the course's own kernel (``causal``: ``att
 fastest rung) and by FlexAttention (``flex_causal``). Each output is checked once against ``sparse_window``'s (the
 causal ones against each other) before it is timed, under each protocol of --protocols. Every row carries the
 pattern, its tile density (computed tiles over all tiles at the kernel's 128 x 64 tiles), the visible pairs
-(``pairs``, per head) and the TFLOP/s of the visible pairs (4 d per pair); the printed table adds time per computed
-tile relative to dense causal (1.00 = time proportional to the computed tiles) and the speed against flex.
+(``pairs``, per head) and the TFLOP/s of the visible pairs (4 d per pair); a ``hopper_window`` row of a dilated
+pattern whose dilation divides n also carries ``computed_density``, the density of the tiles it computes when it runs
+the dilation as residue classes (``computed_density``, ``flashlab.gpu.residue_classes``). The printed table adds time
+per computed tile relative to dense causal (1.00 = time proportional to the computed tiles) and the speed against
+flex.
 """
 
 from __future__ import annotations
@@ -59,6 +62,21 @@ def visible_pairs(pattern: blocksparse.Window, n: int, m: int) -> int:
     # multiples of r in [lo, hi]: floor(hi / r) - ceil(lo / r) + 1 (none when hi < lo)
     count = np.floor_divide(hi, r) - (-np.floor_divide(-lo, r)) + 1
     return int(np.maximum(count, 0).sum())
+
+
+def computed_density(impl: str, n: int, window: tuple[int | None, int | None], dilation: int) -> float | None:
+    """The density (at ``TILE``) of the tiles ``impl`` computes for a self-attention window of n tokens when it runs
+    the dilation as residue classes (``flashlab.gpu.residue_classes``): r classes of n / r tokens, each a plain
+    window of floor(side / r) positions; None where it computes the pattern's own tiles."""
+    import flashlab.gpu as fgpu
+
+    r = fgpu.residue_classes(impl, dilation, n, n)
+    if r == 1:
+        return None
+    nc = n // r
+    left, right = (2 * nc if side is None else side // r for side in window)
+    tiles = r * int(fgpu.window_tiles_per_block(nc, nc, left, right, *TILE).sum())
+    return tiles / (-(-n // TILE[0]) * -(-n // TILE[1]))
 
 
 def mask_mod(left, right, stride, offset: int = 0):
@@ -215,11 +233,13 @@ def _one_length(args, rows: list[dict], q, k, v, flex: Flex | None, why_not: str
 
         ref = fgpu.attention(q, k, v, window=window, dilation=dilation, kernel="sparse_window")[0]
         for impl in ("hopper_window", "sparse_window"):
+            computed = computed_density(impl, n, window, dilation)
+            extra = {} if computed is None else {"computed_density": computed}
             def ours(window=window, dilation=dilation, impl=impl, out=(o, lse)):
                 return fgpu.attention(q, k, v, window=window, dilation=dilation, kernel=impl, out=out)
 
-            _time(args, rows, {**base, **info, "impl": impl}, ours, "cupy", lambda ours=ours: ours(out=None)[0], ref,
-                  "sparse_window")
+            _time(args, rows, {**base, **info, **extra, "impl": impl}, ours, "cupy",
+                  lambda ours=ours: ours(out=None)[0], ref, "sparse_window")
         bm = pattern.block_mask(n, n, *fgpu.sparse_block(d))
         for impl in ("hopper_blocks", "sparse_blocks"):
             if impl not in args.impls:
@@ -295,8 +315,8 @@ def _time(args, rows: list[dict], base: dict, fn, kind: str, result, ref, ref_na
 
 def per_tile_ratios(rows: list[dict]) -> dict[tuple, float]:
     """(impl, protocol, n, pattern) -> time per computed tile over dense causal's (the course's kernel, same n and
-    protocol): 1.0 when time is proportional to the computed tiles. FlexAttention rows are taken against
-    FlexAttention's own dense causal row."""
+    protocol): 1.0 when time is proportional to the computed tiles (``computed_density`` where a row has it: the
+    tiles of its residue classes). FlexAttention rows are taken against FlexAttention's own dense causal row."""
     dense = {(r["impl"], records.protocol_of(r), r["n"]): r for r in rows
              if "error" not in r and r["impl"] in ("causal", "flex_causal")}
     out = {}
@@ -306,7 +326,7 @@ def per_tile_ratios(rows: list[dict]) -> dict[tuple, float]:
         base = dense.get(("flex_causal" if r["impl"].startswith("flex") else "causal", records.protocol_of(r), r["n"]))
         if base is not None:
             out[(r["impl"], records.protocol_of(r), r["n"], r["pattern"])] = (
-                (r["median_ms"] / r["density"]) / (base["median_ms"] / base["density"]))
+                (r["median_ms"] / r.get("computed_density", r["density"])) / (base["median_ms"] / base["density"]))
     return out
 
 

@@ -1019,7 +1019,7 @@ class _SparseCall:
     grid: tuple[int, int, int]
     threads: int
     shared: int
-    tma: tuple | None  # (dt, d, file) when the kernel takes tensor maps of q, k and v in their place
+    tma: tuple | None  # (dt, d, file, classes) when the kernel takes tensor maps of q, k and v in their place
     tail: tuple  # the arguments after o and lse
 
 
@@ -1049,8 +1049,16 @@ def _plan_sparse(q, k, dt: str, d: int, scale: float, causal: bool, kernel, wind
     kernel = _layout_kernel(block_mask, kernel)
     rung = _sparse_plan(mode, dt, d, scale > 0, kernel, device_limits()).spec
     hopper_file = rung.file.startswith("hopper/")
+    classes, rows = 1, n  # residue classes of a dilation (the Hopper window kernel), query rows per class
     if mode == "window":
         left, right, stride = _check_window(window, dilation, causal, n, m)
+        classes = residue_classes(rung.name, stride, n, m)
+        if classes > 1:  # the problem of one class: a plain window over every classes-th token
+            limit = n + m
+            n, m = n // classes, m // classes
+            left = n + m if left >= limit else left // classes
+            right = n + m if right >= limit else right // classes
+            stride, rows = 1, n
         dev = _device_id(cp)
         lists = _NO_LIST.get(dev)
         if lists is None:
@@ -1059,7 +1067,7 @@ def _plan_sparse(q, k, dt: str, d: int, scale: float, causal: bool, kernel, wind
         schedule = left >= n + m  # sm_80: no left limit, later blocks see more keys: launch them first
         if hopper_file:  # the output tiles ranked by their key tiles, most first (the Hopper kernel's schedule)
             tiles = SPARSE_TILES[rung.name][d]
-            schedule = _order(("window", n, m, left, right, tiles), H * B,
+            schedule = _order(("window", n, m, left, right, tiles), H * B * classes,
                              lambda: window_tiles_per_block(n, m, left, right, *tiles))
         fn = f"attn_window_{dt}_d{d}"
     else:
@@ -1073,16 +1081,26 @@ def _plan_sparse(q, k, dt: str, d: int, scale: float, causal: bool, kernel, wind
                 schedule = layout.orders[H * B] = cp.asarray(sparse_order(np.diff(layout.row_ptr.get()), H * B))
         fn = f"attn_blocks_{dt}_d{d}"
     kern = kernel_function(rung.file, fn, defines=rung.defines, shared_bytes=rung.shared_bytes(d))
-    grid, more, tma = (math.ceil(n / rung.block_rows), H, B), (), None
-    if hopper_file:  # tensor maps for q, k and v; a persistent grid, which takes the batch size last
+    grid, more, tma = (math.ceil(rows / rung.block_rows), H, B * classes), (), None
+    if hopper_file:  # tensor maps for q, k and v; a persistent grid, which takes the batch size and classes last
         from . import hopper
 
         grid, more = hopper.launch_shape(rung.file, grid, device_limits().sm_count)
-        tma = (dt, d, rung.file) if rung.file in hopper.TMA_FILES else None
+        more = (*more, np.int32(classes))
+        tma = (dt, d, rung.file, classes) if rung.file in hopper.TMA_FILES else None
     # the sm_80 kernels take whether to run the query blocks last first; the Hopper kernel the order array
     tail = (np.int32(n), np.int32(m), np.int32(H), np.int32(Hk), np.float32(scale), np.int32(left), np.int32(right),
             np.int32(stride), schedule if hopper_file else np.int32(schedule), *lists, *more)
     return _SparseCall(kern, grid, rung.threads, rung.shared_bytes(d), tma, tail)
+
+
+def residue_classes(kernel: str, dilation: int, n: int, m: int) -> int:
+    """The residue classes a window call of ``kernel`` runs as: the dilation r when the kernel takes them (the
+    Hopper window kernel) and r divides n and m, so that every class holds n / r queries and m / r keys and sees
+    only its own class's keys (kernels/hopper/sparse_h8.cu); else 1, the dilation masked element by element."""
+    if kernel == "hopper_window" and dilation > 1 and n % dilation == 0 and m % dilation == 0:
+        return dilation
+    return 1
 
 
 def _launch_sparse(call: _SparseCall, q, k, v, o, lse) -> None:

@@ -203,11 +203,13 @@ def decode_only() -> int:
     return _verdict(bad)
 
 
-# (n, m, pattern, how the call says it): windows on both sides of a ragged shape, and a dilated causal window with
-# n > m, whose first 54 rows see no key; block masks of a local + global pattern and of a dilated one with n > m.
+# (n, m, pattern, how the call says it): windows on both sides of a ragged shape, a dilated causal window with
+# n > m, whose first 54 rows see no key, and one whose stride divides n and m (the Hopper window kernel runs its
+# residue classes); block masks of a local + global pattern and of a dilated one with n > m.
 SPARSE_CASES = (
     (77, 131, blocksparse.sliding_window(40, 3), {"window": (40, 3)}),
     (131, 77, blocksparse.dilated(3, left=20), {"window": (20, 0), "dilation": 3}),
+    (399, 261, blocksparse.dilated(3, left=150, right=30), {"window": (150, 30), "dilation": 3}),
     (77, 131, blocksparse.local_global(17, 3, [0, 5]), "block_mask"),
     (131, 77, blocksparse.dilated(5, left=60), "block_mask"),
 )

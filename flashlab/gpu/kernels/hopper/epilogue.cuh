@@ -33,15 +33,16 @@ __device__ __forceinline__ void stg_v4(void* p, uint4 v) {
                  : "memory");
 }
 
-// A warp's 16 rows of O, rows row0 .. row0 + 15 of ob (those at n or past it are not written): its accumulators
+// A warp's 16 rows of O, rows row0 .. row0 + 15 of ob, ld elements apart (those at n or past it are not written;
+// ld is D but where the rows of a head are interleaved, as the block-sparse kernel's residue classes): its accumulators
 // (the 64 x D layout's rows 16 w .. 16 w + 15) times 1 / l of the row (i0 for row g, i1 for row g + 8), or zeros
 // when `empty`. stage: the warp's own 16 * D * 2 bytes of shared memory, 16-byte aligned (the swizzle puts the 8 rows
 // of a block in 8 different 16-byte bank groups from any such start).
 template <class Ty, int D>
 __device__ __forceinline__ void store_rows(const float* oacc, float i0, float i1, bool empty, u32 stage, u16* ob,
-                                           int row0, int n, int lane) {
+                                           int row0, int n, int lane, int ld = D) {
     __syncwarp();  // every lane has read the warp's previous rows out of the stage
-    ob += (size_t)row0 * D;
+    ob += (size_t)row0 * ld;
     const int j = lane >> 3, r = (lane & 7) + 8 * (j & 1);  // this lane addresses row r of block j
 #pragma unroll
     for (int p = 0; p < D / 16; ++p) {  // blocks: rows 0-7 and 8-15 of chunk 2p, then of chunk 2p + 1
@@ -59,6 +60,6 @@ __device__ __forceinline__ void store_rows(const float* oacc, float i0, float i1
     for (int i = 0; i < D / 16; ++i) {
         const int q = 32 * i + lane, row = q / (D / 8), ch = q % (D / 8);
         const uint4 v = lds_v4(stage + tile_offset<16>(row, ch));
-        if (row0 + row < n) stg_v4(ob + (row * D + 8 * ch), v);
+        if (row0 + row < n) stg_v4(ob + (row * ld + 8 * ch), v);
     }
 }

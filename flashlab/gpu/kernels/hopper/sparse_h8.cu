@@ -28,6 +28,15 @@
 //   is the visibility of its accumulator s[4 jj + e] (row 16 warp + g + 8 (e / 2) of the consumer's 64, key
 //   8 jj + 2 tg + e % 2 of the tile; flashlab.gpu.pack_wgmma_bits). Two coalesced loads a thread per partial tile.
 // A short last key tile is PARTIAL in both kernels: TMA fills the keys past m with zeros, and the mask removes them.
+// A dilated window whose n and m are multiples of its stride r is not masked element by element at all: query
+// i = c + r a sees only keys j = c + r b of its own residue class c (when r divides m - n), and within a class the
+// pattern is a plain window of floor(left / r) and floor(right / r) positions. So the launcher passes the problem of
+// one class (n / r queries, m / r keys, that window, stride 1) with `classes` = r and B r "batch entries" b' = b r + c:
+// the tensor maps then address row a of class c of head-and-batch hb as row hb (n / r) + a of plane c (row stride
+// r rows, plane stride one row; flashlab.gpu.hopper.tensor_map), and O and lse are stored r rows apart. The element
+// mask of the dilation, 3/4 of whose scores it throws away at r = 4, becomes r dense windows of a quarter the tiles.
+// (Rows past a class's end in a box are the next head's rows, not zeros: a query row past n is never stored, and a key
+// past m is masked like a missing one.)
 // The order of the output tiles is given by the launcher (flashlab.gpu.sparse_order): slot i holds output tile
 // order[i] = qb + nqb * (b * H + h), ranked by its computed tiles, most first, as rung 9 ranks causal tiles, and dealt
 // to the persistent blocks in a snake (round j: slot j * gridDim.x + k to block k when j is even, to block
@@ -36,7 +45,8 @@
 // those keys in L2.
 //
 // Inputs fp16 or bf16 by tensor maps (boxes of 64 rows for q, 128 for k and v). Grid: (min(tiles, SMs), 1, 1)
-// with tiles = ceil(n / 128) * H * B, B passed last; block: 384 threads; dynamic shared memory:
+// with tiles = ceil(n / 128) * H * B, B and classes passed last (classes = 1 but for the residue classes above, where
+// n, m and B are those of the classes); block: 384 threads; dynamic shared memory:
 // (2 * 128 + 2 * STAGES * BC + 128) * D * 2 + 1024 + 128 bytes (flashlab.gpu.HOPPER_SPARSE_SHARED). Tiles are
 // 128 x 128 at both head dimensions (the block mask's tile size). Needs scale > 0, as rung 6. Rows that see no key get o = 0 and lse = -inf.
 #include "wgmma.cuh"
@@ -71,7 +81,7 @@ __device__ void attn_sparse(const TensorMap* qmap, const TensorMap* kmap, const 
                             float* __restrict__ lse, int n, int m, int H, int Hk, float scale, int left, int right,
                             int stride, const int* __restrict__ order, const int* __restrict__ row_ptr,
                             const int* __restrict__ tiles,
-                            const int* __restrict__ slots, const u32* __restrict__ bits, int B) {
+                            const int* __restrict__ slots, const u32* __restrict__ bits, int B, int classes) {
     constexpr int STAGES = sparse_stages<D>();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const u32 qs0 = (smem_u32(smem_raw) + 1023) & ~1023u;  // two buffers of Q, each two 64-row tiles (a consumer's)
@@ -152,6 +162,11 @@ __device__ void attn_sparse(const TensorMap* qmap, const TensorMap* kmap, const 
                 const Tile w = tile_of(i);
                 if (w.ntiles == 0) continue;  // no S reads its Q
                 const int hk = w.h / (H / Hk), qb = qi & 1;
+                // (row, plane) of the tensor maps: row r of head-and-batch hb is (r, hb), or with residue classes
+                // (hb (n or m) + r, c) for batch entry b' = b classes + c
+                const int bb = w.b / classes, cls = w.b % classes;
+                const int qy = classes > 1 ? (bb * H + w.h) * n : 0, qz = classes > 1 ? cls : bb * H + w.h;
+                const int ky = classes > 1 ? (bb * Hk + hk) * m : 0, kz = classes > 1 ? cls : bb * Hk + hk;
                 if (qi >= 2)  // both consumers' last S of output tile qi - 2, which read this buffer, has completed
                     while (!mbar_try_wait(qempty + 8 * qb, ((qi >> 1) + 1) & 1)) {
                     }
@@ -161,7 +176,7 @@ __device__ void attn_sparse(const TensorMap* qmap, const TensorMap* kmap, const 
 #pragma unroll
                     for (int p = 0; p < D / 64; ++p)
                         tma_load_3d(qs0 + qb * BR * D * 2 + c * 64 * D * 2 + p * 64 * 128, qmap, 64 * p,
-                                    w.q0 + 64 * c, w.b * H + w.h, qfull + 8 * qb);
+                                    qy + w.q0 + 64 * c, qz, qfull + 8 * qb);
                 ++qi;
                 for (int t = 0, p = next_from(w, w.pbeg); t < w.ntiles; ++t, ++it, p = next_from(w, p + 1)) {
                     const int st = it % STAGES, k0 = key_tile(p) * BC, ph = ((it / STAGES) + 1) & 1;
@@ -171,16 +186,14 @@ __device__ void attn_sparse(const TensorMap* qmap, const TensorMap* kmap, const 
                     mbar_expect_tx(fullk + 8 * st, BC * D * 2);
 #pragma unroll
                     for (int q = 0; q < D / 64; ++q)
-                        tma_load_3d(kbuf + st * BC * D * 2 + q * BC * 128, kmap, 64 * q, k0, w.b * Hk + hk,
-                                    fullk + 8 * st);
+                        tma_load_3d(kbuf + st * BC * D * 2 + q * BC * 128, kmap, 64 * q, ky + k0, kz, fullk + 8 * st);
                     if (it >= STAGES)  // P V of ring entry it - STAGES has read this stage's V
                         while (!mbar_try_wait(emptyv + 8 * st, ph)) {
                         }
                     mbar_expect_tx(fullv + 8 * st, BC * D * 2);
 #pragma unroll
                     for (int q = 0; q < D / 64; ++q)
-                        tma_load_3d(vbuf + st * BC * D * 2 + q * BC * 128, vmap, 64 * q, k0, w.b * Hk + hk,
-                                    fullv + 8 * st);
+                        tma_load_3d(vbuf + st * BC * D * 2 + q * BC * 128, vmap, 64 * q, ky + k0, kz, fullv + 8 * st);
                 }
             }
         }
@@ -354,14 +367,17 @@ __device__ void attn_sparse(const TensorMap* qmap, const TensorMap* kmap, const 
     // This consumer's 64 rows of output tile t: O / l and the log-sum-exp (zero and -inf for rows that see no key, and
     // for every row of a tile with no computed tile: empty).
     auto store = [&](const Tile& t, const Rows& r, bool empty) {
-        u16* ob = o + ((size_t)t.b * H + t.h) * n * D;
-        float* lb = lse + ((size_t)t.b * H + t.h) * n;
+        // row r of the tile's head and class: row c + classes r of the head (classes = 1: row r)
+        const size_t first = ((size_t)(t.b / classes) * H + t.h) * n * classes + t.b % classes;
+        u16* ob = o + first * D;
+        float* lb = lse + first;
         const int row0 = t.q0 + 64 * c + 16 * warp + g, row1 = row0 + 8;
         const float i0 = !empty && r.s0 > 0.f ? 1.f / r.s0 : 0.f, i1 = !empty && r.s1 > 0.f ? 1.f / r.s1 : 0.f;
-        store_rows<Ty, D>(oacc, i0, i1, empty, ostage + (4 * c + warp) * 16 * D * 2, ob, row0 - g, n, lane);
+        store_rows<Ty, D>(oacc, i0, i1, empty, ostage + (4 * c + warp) * 16 * D * 2, ob, row0 - g, n, lane,
+                          classes * D);
         if (tg == 0) {
-            if (row0 < n) lb[row0] = !empty && r.s0 > 0.f ? (r.m0 + __log2f(r.s0)) * LN2 : NEG_INF;
-            if (row1 < n) lb[row1] = !empty && r.s1 > 0.f ? (r.m1 + __log2f(r.s1)) * LN2 : NEG_INF;
+            if (row0 < n) lb[(size_t)row0 * classes] = !empty && r.s0 > 0.f ? (r.m0 + __log2f(r.s0)) * LN2 : NEG_INF;
+            if (row1 < n) lb[(size_t)row1 * classes] = !empty && r.s1 > 0.f ? (r.m1 + __log2f(r.s1)) * LN2 : NEG_INF;
         }
     };
 
@@ -446,9 +462,9 @@ __device__ void attn_sparse(const TensorMap* qmap, const TensorMap* kmap, const 
         NAME(const __grid_constant__ TensorMap qmap, const __grid_constant__ TensorMap kmap,                    \
              const __grid_constant__ TensorMap vmap, u16* o, float* lse, int n, int m, int H, int Hk, float scale, \
              int left, int right, int stride, const int* order, const int* row_ptr, const int* tiles,            \
-             const int* slots, const u32* bits, int B) {                                                        \
+             const int* slots, const u32* bits, int B, int classes) {                                           \
         attn_sparse<TY, D, LIST>(&qmap, &kmap, &vmap, o, lse, n, m, H, Hk, scale, left, right, stride, order,    \
-                                 row_ptr, tiles, slots, bits, B);                                               \
+                                 row_ptr, tiles, slots, bits, B, classes);                                      \
     }
 
 DEFINE_KERNEL(attn_window_f16_d64, F16, 64, false)
