@@ -372,7 +372,8 @@ def plot_sparse_times(record: dict, *, axes=None):
     dense causal attention (the course's kernel in black, FlexAttention's in its colour), and the dashed line through
     the black star is time proportional to the computed tiles. The caption names the GPU, the date and the command
     of the record, and the implementations it holds only errors for. Log-log axes; x is the fraction of the
-    window kernel's 128 x 64 tiles computed (the same x for every implementation of a pattern).
+    window kernel's 128 x 64 tiles computed (the same x for every implementation of a pattern, but for a row that ran
+    a dilation as residue classes: its ``computed_density``, the tiles it computed).
     """
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
@@ -403,7 +404,7 @@ def plot_sparse_times(record: dict, *, axes=None):
                 windows = sorted((r for r in pts if r["dilation"] == 1), key=lambda r: r["density"])
                 ax.plot([r["density"] for r in windows], [r["median_ms"] for r in windows], color=colour,
                         marker=markers[n], ms=5, lw=1.2)
-                ax.plot([r["density"] for r in pts if r["dilation"] > 1],
+                ax.plot([r.get("computed_density", r["density"]) for r in pts if r["dilation"] > 1],
                         [r["median_ms"] for r in pts if r["dilation"] > 1], color=colour, marker=markers[n], ms=9,
                         mfc="none", ls="none")
                 if dense_impl == "flex_causal" and "flex_causal" in dense:
@@ -411,7 +412,7 @@ def plot_sparse_times(record: dict, *, axes=None):
                             color=colour, ls="none")
             if "causal" in dense:
                 c = dense["causal"]
-                lo = min((r["density"] for r in mine if r["n"] == n), default=c["density"])
+                lo = min((r.get("computed_density", r["density"]) for r in mine if r["n"] == n), default=c["density"])
                 x = np.array([lo, c["density"]])
                 ax.plot(x, c["median_ms"] * x / c["density"], color="0.4", ls="--", lw=1)
                 ax.plot(c["density"], c["median_ms"], marker="*", ms=13, color="k", ls="none")

@@ -495,16 +495,19 @@ def test_chapter_8_fused_decoding_section_holds_to_the_record_and_the_profile():
     thr = {r["impl"]: r["median_ms"] * 1e3 for r in rows if records.protocol_of(r) == "throughput"}
     times = dict(profile.report_metrics((records.DATA_DIR / "raw" / "ncu" / "ncu_decode_mma_gqa.txt").read_text()))
     split_us = next(m["Duration"] for name, m in times.items() if name.startswith("decode_mma"))
-    # "The split kernel of "mma" alone streams the cache in about the copy time ... cuDNN's whole step lands
-    # between the two"
-    assert "cuDNN's whole step lands" in lesson and "between the two" in lesson
+    # "The split kernel of "mma" alone ... streams the cache in about the copy time ... cuDNN's whole step lands
+    # between the split kernel alone and the whole "mma" step"
+    assert "cuDNN's whole step lands between the split kernel alone and the whole `\"mma\"` step" in lesson
     assert abs(split_us / (r0["read_once_ms"] * 1e3) - 1) < 0.05
     assert split_us < thr["sdpa_cudnn"] < thr["mma"]
-    # "At 66 splits that is 5 merges of at most 16 partials each ..., then one merge of 5"; 66 × 4 × 512 B = 135 KB
+    # "At 66 splits that is, for each group, 5 merges of at most 16 partials each ..., then one merge of 5 (the step
+    # has 8 groups, one per K/V head: 40 merges, then 8)"; 66 × 4 × 512 B = 135 KB
     S = decoding.resolve_num_splits(1, r0["heads"], r0["kv_heads"], 1, r0["m"], None, 132, "fused")
     runs = math.ceil(S / decoding.MERGE_FAN)
-    assert f"At {S} splits that is {runs} merges of at most {decoding.MERGE_FAN} partials" in lesson
+    assert f"At {S} splits that is, for each group, {runs} merges of at most {decoding.MERGE_FAN} partials" in lesson
     assert f"then one merge of {runs}" in lesson and decoding.merge_tree_sizes(S) == (runs, runs + 1)
+    kv = r0["kv_heads"]
+    assert f"the step has {kv} groups, one per K/V head: {kv * runs} merges, then {kv})" in lesson
     group = r0["heads"] // r0["kv_heads"]
     assert f"({S} splits, {group} rows)" in lesson
     assert f"{S} × {group} × {r0['d'] * 4} B = {S * group * r0['d'] * 4 / 1000:.0f} KB" in lesson

@@ -356,6 +356,9 @@ def test_decode_bad_inputs_get_clear_errors():
         fgpu.decode(x, x, x, kernel="fast")
     with pytest.raises(ValueError, match="divide"):
         fgpu.decode(x, x[:, :1].repeat(3, axis=1), x[:, :1].repeat(3, axis=1))
+    shifted = cp.zeros(x.size + 1, dtype=cp.float16)[1:].reshape(x.shape)  # C-contiguous, 2 bytes off
+    with pytest.raises(ValueError, match="16-byte boundary for kernel='fused'"):
+        fgpu.decode(x, x, x, kernel="fused", out=(shifted, cp.empty(x.shape[:-1], dtype=cp.float32)))
 
 
 @pytest.mark.gpu

@@ -8,6 +8,7 @@ import pathlib
 import re
 import shutil
 
+import numpy as np
 import pytest
 
 import flashlab.gpu as fgpu
@@ -213,3 +214,21 @@ def test_emulated_backward_matches_float64(rng, kernel):
         hopper.emulated_backward(q, k, v, o, lse, do, kernel="pipe")
     with pytest.raises(ValueError, match="lse must have shape"):
         hopper.emulated_backward(q, k, v, o.astype(np.float16), lse[..., :-1], do, kernel=kernel)
+
+
+def test_residue_class_maps_are_packed_layouts_of_the_same_memory():
+    """The 4-D map of the residue classes (column, class, position, head) is an ordinary packed layout, as the
+    driver's cuTensorMapEncodeTiled describes strides (each one the previous times its size), and it addresses row
+    c + r a of each head; the 3-D map is unchanged. No GPU: the layout and the emulation's words."""
+    from flashlab.gpu import hopper
+
+    d, rows, heads, r = 64, 300, 6, 3
+    sizes, strides, box = hopper._layout(d, rows, heads, r, 128)
+    assert sizes == (d, r, rows // r, heads) and box == (hopper.PANEL, 1, 128, 1)
+    byte_strides = (2, *strides)  # of every dimension, the first's being the element's size
+    assert all(byte_strides[i + 1] == byte_strides[i] * sizes[i] for i in range(len(strides)))
+    for c, a, h in ((0, 0, 0), (2, 99, 5), (1, 37, 3)):
+        assert c * strides[0] + a * strides[1] + h * strides[2] == ((h * rows) + c + r * a) * d * 2
+    assert hopper._layout(d, rows, heads, 1, 64) == ((d, rows, heads), (2 * d, 2 * d * rows), (hopper.PANEL, 64, 1))
+    words = np.frombuffer(hopper.host_tensor_map(4096, d, rows, heads, "f16", 128, r), dtype=np.uint64)
+    assert list(words[:10]) == [4096, d, rows // r, heads, strides[1], strides[2], hopper.PANEL, 128, r, strides[0]]

@@ -448,6 +448,9 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     # (n, d) inputs are passed as they are: a (1, 1, n, d) view would be the same pointer
     args = (q, k_cache, v_cache, lens, o_parts, lse_parts, *step.dims, scale, _CAUSAL[bool(causal)])
     if step.merge is None:  # "fused": the tree's nodes and its counters, which every call leaves at zero
+        if o.data.ptr % 16:  # its root block stores o 8 (d = 128) or 4 bytes at a time
+            raise ValueError("out[0] must start on a 16-byte boundary for kernel='fused' (it stores several elements "
+                             "at a time); a fresh CuPy array does")
         if workspace is None:
             tree_o, tree_l = cp.empty(step.tree[0], cp.float32), cp.empty(step.tree[1], cp.float32)
             counts = cp.zeros(step.tree[2], cp.int32)

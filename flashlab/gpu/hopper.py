@@ -345,42 +345,45 @@ _MAPS_KEPT = 256
 def _encode(ptr: int, d: int, rows: int, heads: int, dt: str, box_rows: int, classes: int = 1) -> bytes:
     """The driver's tensor map (128 bytes) of a (heads, rows, d) array of 16-bit elements at ``ptr``: boxes of
     64 columns by ``box_rows`` rows of one head, written to shared memory in the 128-byte swizzle, rows past the
-    end filled with zeros. ``classes`` = r > 1: the same memory seen as r planes (residue classes) of
-    heads * rows / r rows each, row a of plane c being row c + r a (``_strides``)."""
+    end filled with zeros. ``classes`` = r > 1: the same memory as a 4-D map whose boxes hold rows r apart
+    (``_layout``)."""
     try:
         from cuda.bindings import driver as cu
     except ImportError as e:  # pragma: no cover - depends on the machine
         raise ImportError("the TMA rung builds tensor maps with NVIDIA's driver binding: pip install cuda-bindings "
                           "(the major version of your CUDA, e.g. cuda-bindings 13.* for CUDA 13)") from e
     kind = cu.CUtensorMapDataType
-    sizes, strides = _strides(d, rows, heads, classes)
+    sizes, strides, box = _layout(d, rows, heads, classes, box_rows)
+    # rows r apart: a 256-byte promotion would bring a neighbouring class's row into L2 with each 128-byte row
+    promotion = cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B if classes == 1 else (
+        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B)
     err, tmap = cu.cuTensorMapEncodeTiled(
-        kind.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if dt == "bf16" else kind.CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3, ptr,
-        [cu.cuuint64_t(x) for x in sizes], [cu.cuuint64_t(x) for x in strides],
-        [cu.cuuint32_t(x) for x in (PANEL, box_rows, 1)], [cu.cuuint32_t(1)] * 3,
+        kind.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if dt == "bf16" else kind.CU_TENSOR_MAP_DATA_TYPE_FLOAT16, len(sizes),
+        ptr, [cu.cuuint64_t(x) for x in sizes], [cu.cuuint64_t(x) for x in strides],
+        [cu.cuuint32_t(x) for x in box], [cu.cuuint32_t(1)] * len(sizes),
         cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+        promotion, cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if err != cu.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for a ({heads}, {rows}, {d}) {dt} array with "
                            f"boxes of {box_rows} x {PANEL}" + (f" in {classes} residue classes" if classes > 1 else ""))
     return ctypes.string_at(tmap.getPtr(), 128)
 
 
-def _strides(d: int, rows: int, heads: int, classes: int) -> tuple[tuple[int, int, int], tuple[int, int]]:
-    """Sizes (columns, rows, planes) and byte strides (row, plane) of a tensor map over (heads, rows, d) 16-bit
-    elements: planes are heads; or, for ``classes`` = r > 1 (r dividing rows), the r residue classes of the rows,
-    each holding heads * rows / r rows: row a of class c is row c + r a of the whole array, r rows apart, and class
-    c starts one row after class c - 1. The sparse kernel's residue classes (kernels/hopper/sparse_h8.cu)."""
+def _layout(d: int, rows: int, heads: int, classes: int, box_rows: int) -> tuple[tuple, tuple, tuple]:
+    """Sizes, byte strides (of every dimension but the first) and box of a tensor map over (heads, rows, d) 16-bit
+    elements: 3-D (column, row, head); or, for ``classes`` = r > 1 (r dividing rows), 4-D (column, class, position
+    in the class, head), whose box holds box_rows rows of one class, r rows apart: position a of class c is row
+    c + r a of its head, and positions past rows / r are zeros. The sparse kernel's residue classes
+    (kernels/hopper/sparse_h8.cu)."""
     if classes == 1:
-        return (d, rows, heads), (d * 2, rows * d * 2)
-    return (d, heads * rows // classes, classes), (classes * d * 2, d * 2)
+        return (d, rows, heads), (d * 2, rows * d * 2), (PANEL, box_rows, 1)
+    return (d, classes, rows // classes, heads), (d * 2, classes * d * 2, rows * d * 2), (PANEL, 1, box_rows, 1)
 
 
 def tensor_map(x, dt: str, box_rows: int, classes: int = 1):
     """The tensor map of a CuPy array ``x`` (n, d) or (batch, heads, n, d) of 16-bit elements, as the kernel
     parameter it is passed as (a NumPy structured scalar of 128 bytes): built once per address, shape, dtype, box and
-    ``classes`` (``_strides``), then found in a dictionary."""
+    ``classes`` (``_layout``), then found in a dictionary."""
     # A call finds its maps with one tuple and one dictionary lookup each (np.prod alone would cost microseconds).
     key = (x.data.ptr, x.shape, dt, box_rows, classes)
     value = _MAPS.get(key)
@@ -400,7 +403,7 @@ def key_tile(file: str, d: int) -> int:
 
 
 def tma_maps(q, k, v, dt: str, d: int, file: str, classes: int = 1) -> tuple:
-    """The three tensor maps the TMA rung of ``file`` takes in place of q, k and v (``classes``: ``_strides``)."""
+    """The three tensor maps the TMA rung of ``file`` takes in place of q, k and v (``classes``: ``_layout``)."""
     bc = key_tile(file, d)
     return (tensor_map(q, dt, QUERY_TILE, classes), tensor_map(k, dt, bc, classes),
             tensor_map(v, dt, bc, classes))
@@ -410,6 +413,9 @@ def host_tensor_map(ptr: int, d: int, rows: int, heads: int, dt: str, box_rows: 
     """What the host emulation of CUDA (``flashlab.hostcuda``) takes for a tensor map in place of the driver's
     opaque one: address, sizes, strides in bytes and box, in 16 words. ``tools/hostemu`` puts it in place of
     ``_encode``."""
-    (_, rows, planes), (row_stride, plane_stride) = _strides(d, rows, heads, classes)
-    words = [ptr, d, rows, planes, row_stride, plane_stride, PANEL, box_rows] + [0] * 8
+    sizes, strides, _ = _layout(d, rows, heads, classes, box_rows)
+    if classes == 1:  # cuda_host.h's tma_load_3d: rows and heads, their strides
+        words = [ptr, d, rows, heads, strides[0], strides[1], PANEL, box_rows] + [0] * 8
+    else:  # and tma_load_4d: the positions of a class as the rows, the classes between (words 8 and 9)
+        words = [ptr, d, sizes[2], heads, strides[1], strides[2], PANEL, box_rows, classes, strides[0]] + [0] * 6
     return np.array(words, dtype=np.uint64).tobytes()

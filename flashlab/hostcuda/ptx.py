@@ -30,7 +30,8 @@ PTX_HELPERS = ("ex2", "smem_addr", "ldsm_x4", "ldsm_x4_t", "cp_async16", "cp_asy
                # kernels/hopper/wgmma.cuh: its wgmma structs (HOPPER_STRUCTS) go too, cuda_host.h emulates them
                "smem_u32", "wgmma_fence", "wgmma_commit", "wgmma_wait", "pin", "fence_to_tensor_cores",
                # and kernels/hopper/tma.cuh's
-               "mbar_init", "fence_barrier_init", "mbar_expect_tx", "mbar_try_wait", "tma_load_3d", "mbar_arrive",
+               "mbar_init", "fence_barrier_init", "mbar_expect_tx", "mbar_try_wait", "tma_load_3d", "tma_load_4d",
+               "mbar_arrive",
                "setmaxnreg_dec", "setmaxnreg_inc", "named_bar_sync", "named_bar_arrive",
                # and kernels/hopper/epilogue.cuh's
                "stsm_x4", "lds_v4", "stg_v4",

@@ -21,10 +21,13 @@
 // (rung 5): STAGES - 1 tiles of K and V in flight while it computes on one, with no barrier but __syncwarp. At
 // d = 128 the ring is 48 KB of static shared memory, so an SM holds 4 such blocks and 4 x 2 x 16 KB of loads are in
 // flight on it. The split's partial (o_s, lse_s) is written exactly as decode_r1_split.cu writes it, and its merge
-// kernel (decode_merge_*) finishes the job.
+// kernel (decode_merge_*) finishes the job; or, in decode_fused_* at the end of this file, the blocks themselves.
 //
 // Grid: (ceil(G * n / 16), num_splits, B * Hk) with G = H / Hk; block: 32 threads. Layout and arguments as
-// decode_split_* in decode_r1_split.cu. Needs sm_80 (mma.sync m16n8k16 with bf16 inputs, cp.async).
+// decode_split_* in decode_r1_split.cu; decode_fused_* takes seven more: the tree's nodes tree_o (rows, ntree, D)
+// and tree_l (rows, ntree), fp32; its counters, ncount ints per group (group blockIdx.z * gridDim.x + blockIdx.x,
+// zero before the launch and left at zero); o and lse as the merge kernel writes them; ntree and ncount
+// (flashlab.gpu.decoding.merge_tree_sizes). Needs sm_80 (mma.sync m16n8k16 with bf16 inputs, cp.async).
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 #define BK 32  // keys per tile (flashlab.gpu.decoding.BLOCK_KEYS: split lengths are whole tiles)
@@ -265,7 +268,8 @@ __device__ void decode_mma(const u16* __restrict__ q, const u16* __restrict__ k,
 // The blocks of a group (one chunk of query rows of one (batch, K/V head)) finish at about the same time, so the
 // merge must not fall to one block reading every partial: at S = 66 splits and 4 rows that is 135 KB through one
 // warp. Instead the partials are merged as a tree of fan-in FAN. The splits of a group form nodes of level 0; each
-// run of FAN consecutive nodes has a counter, and the block that arrives last at it (atomicAdd returns FAN - 1)
+// run of FAN consecutive nodes has a counter, and the block that arrives last at it (atomicAdd returns the run's size
+// minus 1)
 // merges that run into one node of the next level and arrives there in turn. The block that merges the last run
 // writes o and lse. At FAN = 16 a GQA step (66 splits) takes two levels of at most 16 reads per lane per row, all
 // in flight together; a step with one row per group and 16 splits takes one.
@@ -322,6 +326,7 @@ __device__ void merge_tree(const float* __restrict__ opart, const float* __restr
             if (last) cnt[cnt_at + run] = 0;  // every member has arrived: ready for the next call
         }
         if (!__any_sync(0xffffffffu, last)) return;  // lane 0's answer, to every lane
+        __syncwarp();  // a vote orders no memory: the barrier puts lane 0's atomic before every lane's fence
         __threadfence();
         for (int r = 0; r < nrows; ++r) {
             const size_t row = row_base + r;

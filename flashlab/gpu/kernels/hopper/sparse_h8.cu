@@ -32,11 +32,10 @@
 // i = c + r a sees only keys j = c + r b of its own residue class c (when r divides m - n), and within a class the
 // pattern is a plain window of floor(left / r) and floor(right / r) positions. So the launcher passes the problem of
 // one class (n / r queries, m / r keys, that window, stride 1) with `classes` = r and B r "batch entries" b' = b r + c:
-// the tensor maps then address row a of class c of head-and-batch hb as row hb (n / r) + a of plane c (row stride
-// r rows, plane stride one row; flashlab.gpu.hopper.tensor_map), and O and lse are stored r rows apart. The element
-// mask of the dilation, 3/4 of whose scores it throws away at r = 4, becomes r dense windows of a quarter the tiles.
-// (Rows past a class's end in a box are the next head's rows, not zeros: a query row past n is never stored, and a key
-// past m is masked like a missing one.)
+// the tensor maps are then 4-D (column, class, position in the class, head; flashlab.gpu.hopper._layout), so that a
+// box holds rows r apart and positions past a class's end are zeros, and O and lse are stored r rows apart. The
+// element mask of the dilation, 3/4 of whose scores it throws away at r = 4, becomes r dense windows of a quarter
+// the tiles.
 // The order of the output tiles is given by the launcher (flashlab.gpu.sparse_order): slot i holds output tile
 // order[i] = qb + nqb * (b * H + h), ranked by its computed tiles, most first, as rung 9 ranks causal tiles, and dealt
 // to the persistent blocks in a snake (round j: slot j * gridDim.x + k to block k when j is even, to block
@@ -162,11 +161,8 @@ __device__ void attn_sparse(const TensorMap* qmap, const TensorMap* kmap, const 
                 const Tile w = tile_of(i);
                 if (w.ntiles == 0) continue;  // no S reads its Q
                 const int hk = w.h / (H / Hk), qb = qi & 1;
-                // (row, plane) of the tensor maps: row r of head-and-batch hb is (r, hb), or with residue classes
-                // (hb (n or m) + r, c) for batch entry b' = b classes + c
+                // with residue classes, batch entry b' = b classes + c: class c of head-and-batch entry (b, h)
                 const int bb = w.b / classes, cls = w.b % classes;
-                const int qy = classes > 1 ? (bb * H + w.h) * n : 0, qz = classes > 1 ? cls : bb * H + w.h;
-                const int ky = classes > 1 ? (bb * Hk + hk) * m : 0, kz = classes > 1 ? cls : bb * Hk + hk;
                 if (qi >= 2)  // both consumers' last S of output tile qi - 2, which read this buffer, has completed
                     while (!mbar_try_wait(qempty + 8 * qb, ((qi >> 1) + 1) & 1)) {
                     }
@@ -175,8 +171,12 @@ __device__ void attn_sparse(const TensorMap* qmap, const TensorMap* kmap, const 
                 for (int c = 0; c < 2; ++c)
 #pragma unroll
                     for (int p = 0; p < D / 64; ++p)
-                        tma_load_3d(qs0 + qb * BR * D * 2 + c * 64 * D * 2 + p * 64 * 128, qmap, 64 * p,
-                                    qy + w.q0 + 64 * c, qz, qfull + 8 * qb);
+                        if (classes > 1)
+                            tma_load_4d(qs0 + qb * BR * D * 2 + c * 64 * D * 2 + p * 64 * 128, qmap, 64 * p, cls,
+                                        w.q0 + 64 * c, bb * H + w.h, qfull + 8 * qb);
+                        else
+                            tma_load_3d(qs0 + qb * BR * D * 2 + c * 64 * D * 2 + p * 64 * 128, qmap, 64 * p,
+                                        w.q0 + 64 * c, w.b * H + w.h, qfull + 8 * qb);
                 ++qi;
                 for (int t = 0, p = next_from(w, w.pbeg); t < w.ntiles; ++t, ++it, p = next_from(w, p + 1)) {
                     const int st = it % STAGES, k0 = key_tile(p) * BC, ph = ((it / STAGES) + 1) & 1;
@@ -186,14 +186,24 @@ __device__ void attn_sparse(const TensorMap* qmap, const TensorMap* kmap, const 
                     mbar_expect_tx(fullk + 8 * st, BC * D * 2);
 #pragma unroll
                     for (int q = 0; q < D / 64; ++q)
-                        tma_load_3d(kbuf + st * BC * D * 2 + q * BC * 128, kmap, 64 * q, ky + k0, kz, fullk + 8 * st);
+                        if (classes > 1)
+                            tma_load_4d(kbuf + st * BC * D * 2 + q * BC * 128, kmap, 64 * q, cls, k0, bb * Hk + hk,
+                                        fullk + 8 * st);
+                        else
+                            tma_load_3d(kbuf + st * BC * D * 2 + q * BC * 128, kmap, 64 * q, k0, w.b * Hk + hk,
+                                        fullk + 8 * st);
                     if (it >= STAGES)  // P V of ring entry it - STAGES has read this stage's V
                         while (!mbar_try_wait(emptyv + 8 * st, ph)) {
                         }
                     mbar_expect_tx(fullv + 8 * st, BC * D * 2);
 #pragma unroll
                     for (int q = 0; q < D / 64; ++q)
-                        tma_load_3d(vbuf + st * BC * D * 2 + q * BC * 128, vmap, 64 * q, ky + k0, kz, fullv + 8 * st);
+                        if (classes > 1)
+                            tma_load_4d(vbuf + st * BC * D * 2 + q * BC * 128, vmap, 64 * q, cls, k0, bb * Hk + hk,
+                                        fullv + 8 * st);
+                        else
+                            tma_load_3d(vbuf + st * BC * D * 2 + q * BC * 128, vmap, 64 * q, k0, w.b * Hk + hk,
+                                        fullv + 8 * st);
                 }
             }
         }

@@ -48,6 +48,15 @@ __device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, int x
         : "memory");
 }
 
+// The same for a 4-D map: the box at (x, y, z, w).
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap* map, int x, int y, int z, int w, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+        "[%6];" ::"r"(dst),
+        "l"(map), "r"(x), "r"(y), "r"(z), "r"(w), "r"(bar)
+        : "memory");
+}
+
 // This thread arrives on the barrier (no bytes expected): a consumer saying it is done with a stage.
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
