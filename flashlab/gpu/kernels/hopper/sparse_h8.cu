@@ -178,32 +178,29 @@ __device__ void attn_sparse(const TensorMap* qmap, const TensorMap* kmap, const 
                             tma_load_3d(qs0 + qb * BR * D * 2 + c * 64 * D * 2 + p * 64 * 128, qmap, 64 * p,
                                         w.q0 + 64 * c, w.b * H + w.h, qfull + 8 * qb);
                 ++qi;
+                // keys k0 .. k0 + BC - 1 of K or V into stage st of its ring, counted on that stage's barrier
+                auto load_keys = [&](u32 ring, const TensorMap* map, u32 full, int st, int k0) {
+#pragma unroll
+                    for (int q = 0; q < D / 64; ++q)
+                        if (classes > 1)
+                            tma_load_4d(ring + st * BC * D * 2 + q * BC * 128, map, 64 * q, cls, k0, bb * Hk + hk,
+                                        full + 8 * st);
+                        else
+                            tma_load_3d(ring + st * BC * D * 2 + q * BC * 128, map, 64 * q, k0, w.b * Hk + hk,
+                                        full + 8 * st);
+                };
                 for (int t = 0, p = next_from(w, w.pbeg); t < w.ntiles; ++t, ++it, p = next_from(w, p + 1)) {
                     const int st = it % STAGES, k0 = key_tile(p) * BC, ph = ((it / STAGES) + 1) & 1;
                     if (it >= STAGES)  // S of ring entry it - STAGES has read this stage's K
                         while (!mbar_try_wait(emptyk + 8 * st, ph)) {
                         }
                     mbar_expect_tx(fullk + 8 * st, BC * D * 2);
-#pragma unroll
-                    for (int q = 0; q < D / 64; ++q)
-                        if (classes > 1)
-                            tma_load_4d(kbuf + st * BC * D * 2 + q * BC * 128, kmap, 64 * q, cls, k0, bb * Hk + hk,
-                                        fullk + 8 * st);
-                        else
-                            tma_load_3d(kbuf + st * BC * D * 2 + q * BC * 128, kmap, 64 * q, k0, w.b * Hk + hk,
-                                        fullk + 8 * st);
+                    load_keys(kbuf, kmap, fullk, st, k0);
                     if (it >= STAGES)  // P V of ring entry it - STAGES has read this stage's V
                         while (!mbar_try_wait(emptyv + 8 * st, ph)) {
                         }
                     mbar_expect_tx(fullv + 8 * st, BC * D * 2);
-#pragma unroll
-                    for (int q = 0; q < D / 64; ++q)
-                        if (classes > 1)
-                            tma_load_4d(vbuf + st * BC * D * 2 + q * BC * 128, vmap, 64 * q, cls, k0, bb * Hk + hk,
-                                        fullv + 8 * st);
-                        else
-                            tma_load_3d(vbuf + st * BC * D * 2 + q * BC * 128, vmap, 64 * q, k0, w.b * Hk + hk,
-                                        fullv + 8 * st);
+                    load_keys(vbuf, vmap, fullv, st, k0);
                 }
             }
         }
