@@ -83,7 +83,7 @@ def _calls(gpu, args: argparse.Namespace, preallocated: bool) -> dict:
         calls = {"attention": lambda: gpu.attention(q, k, v),
                  "attention_backward": lambda: gpu.attention_backward(q, k, v, o, lse, do),
                  "decode": lambda: gpu.decode(qd, kc, vc)}
-    for kern in getattr(args, "decode_kernels", ()):  # a --baseline without the kernel gets no such row
+    for kern in args.decode_kernels:  # a --baseline without the kernel gets no such row
         if kern in getattr(gpu.decoding, "KERNELS", ()):
             dec = {"out": dec_out, "workspace": ws_dec} if preallocated else {}
             calls[f"decode_{kern}"] = lambda kern=kern, dec=dec: gpu.decode(qd, kc, vc, kernel=kern, **dec)
@@ -112,10 +112,10 @@ def run(args: argparse.Namespace, rows: list[dict]) -> None:
                 times = records.host_times(fn, args.repeat, args.warmup, sync=sync)
                 q1, med, q3 = statistics.quantiles(times, n=4)
                 extra = {"window": [args.window, 0]} if op == "attention_window" else {}
+                decoding = op.startswith("decode")
                 rows.append({"pass": "host", "op": op, **extra, "version": label, "call": style, "d": args.d,
-                             "n": 1 if op.startswith("decode") else args.n,
-                             "m": args.m if op.startswith("decode") else args.n,
-                             "heads": 32 if op.startswith("decode") else args.heads, "batch": 1, "dtype": "float16",
+                             "n": 1 if decoding else args.n, "m": args.m if decoding else args.n,
+                             "heads": 32 if decoding else args.heads, "batch": 1, "dtype": "float16",
                              "host_us": round(statistics.median(times), 2), "host_us_q1": round(q1, 2),
                              "host_us_q3": round(q3, 2), "repeat": args.repeat})
                 print(f"  {label:<10} {style:<12} {op:<20} {rows[-1]['host_us']:8.1f} us "

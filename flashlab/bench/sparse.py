@@ -73,8 +73,7 @@ def computed_density(impl: str, n: int, window: tuple[int | None, int | None], d
     r = fgpu.residue_classes(impl, dilation, n, n)
     if r == 1:
         return None
-    nc = n // r
-    left, right = (2 * nc if side is None else side // r for side in window)
+    nc, _, left, right = fgpu.class_window(n, n, *(2 * n if side is None else side for side in window), r)
     tiles = r * int(fgpu.window_tiles_per_block(nc, nc, left, right, *TILE).sum())
     return tiles / (-(-n // TILE[0]) * -(-n // TILE[1]))
 

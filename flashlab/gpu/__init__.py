@@ -1049,16 +1049,13 @@ def _plan_sparse(q, k, dt: str, d: int, scale: float, causal: bool, kernel, wind
     kernel = _layout_kernel(block_mask, kernel)
     rung = _sparse_plan(mode, dt, d, scale > 0, kernel, device_limits()).spec
     hopper_file = rung.file.startswith("hopper/")
-    classes, rows = 1, n  # residue classes of a dilation (the Hopper window kernel), query rows per class
+    classes = 1  # residue classes of a dilation (the Hopper window kernel)
     if mode == "window":
         left, right, stride = _check_window(window, dilation, causal, n, m)
         classes = residue_classes(rung.name, stride, n, m)
         if classes > 1:  # the problem of one class: a plain window over every classes-th token
-            limit = n + m
-            n, m = n // classes, m // classes
-            left = n + m if left >= limit else left // classes
-            right = n + m if right >= limit else right // classes
-            stride, rows = 1, n
+            n, m, left, right = class_window(n, m, left, right, classes)
+            stride = 1
         dev = _device_id(cp)
         lists = _NO_LIST.get(dev)
         if lists is None:
@@ -1081,7 +1078,7 @@ def _plan_sparse(q, k, dt: str, d: int, scale: float, causal: bool, kernel, wind
                 schedule = layout.orders[H * B] = cp.asarray(sparse_order(np.diff(layout.row_ptr.get()), H * B))
         fn = f"attn_blocks_{dt}_d{d}"
     kern = kernel_function(rung.file, fn, defines=rung.defines, shared_bytes=rung.shared_bytes(d))
-    grid, more, tma = (math.ceil(rows / rung.block_rows), H, B * classes), (), None
+    grid, more, tma = (math.ceil(n / rung.block_rows), H, B * classes), (), None
     if hopper_file:  # tensor maps for q, k and v; a persistent grid, which takes the batch size and classes last
         from . import hopper
 
@@ -1101,6 +1098,14 @@ def residue_classes(kernel: str, dilation: int, n: int, m: int) -> int:
     if kernel == "hopper_window" and dilation > 1 and n % dilation == 0 and m % dilation == 0:
         return dilation
     return 1
+
+
+def class_window(n: int, m: int, left: int, right: int, classes: int) -> tuple[int, int, int, int]:
+    """The window of one residue class, as the kernel's numbers ``(n, m, left, right)``: n / r queries, m / r keys
+    and floor(left / r), floor(right / r) positions; a side of n + m or more ("no limit") stays "no limit"."""
+    limit = n + m
+    n, m = n // classes, m // classes
+    return n, m, *(n + m if side >= limit else side // classes for side in (left, right))
 
 
 def _launch_sparse(call: _SparseCall, q, k, v, o, lse) -> None:

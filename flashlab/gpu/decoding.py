@@ -81,6 +81,7 @@ MMA_THREADS = 32  # one warp per block
 MMA_MIN_CC = 80  # mma.sync m16n8k16 with bf16 inputs, cp.async
 MMA_BLOCKS_PER_SM = 4  # its 48 KB ring of static shared memory per block at d = 128, as on sm_90
 MERGE_FAN = 16  # nodes a block of the "fused" kernel merges at once (FAN in decode_r3_mma.cu)
+MMA_KERNELS = ("mma", "fused")  # the two entry points of decode_r3_mma.cu: the same blocks, rows and occupancy
 FILE_MIN_CC = {KERNEL_FILE: MIN_CC, KEYS_FILE: MIN_CC, MMA_FILE: MMA_MIN_CC}  # the oldest GPU each file builds for
 # threads per block of each split kernel
 SPLIT_THREADS = {"mma": MMA_THREADS, "fused": MMA_THREADS, "keys": THREADS, "rows": THREADS}
@@ -221,7 +222,7 @@ def block_rows(kernel: str, rows: int) -> int:
     (else 8)."""
     if kernel == "rows":
         return BLOCK_ROWS
-    if kernel in ("mma", "fused"):
+    if kernel in MMA_KERNELS:
         return MMA_ROWS
     return next((r for r in KEYS_ROWS if r >= rows), KEYS_ROWS[-1])
 
@@ -272,7 +273,7 @@ def default_splits_here(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], d: 
 
 def built_blocks_per_sm(kernel: str, rows: int) -> int:
     """Blocks per SM a split kernel of ``rows`` query rows per block is built for (as on sm_90)."""
-    if kernel in ("mma", "fused"):
+    if kernel in MMA_KERNELS:
         return MMA_BLOCKS_PER_SM
     return KEYS_BLOCKS_PER_SM[rows] if kernel == "keys" else BLOCKS_PER_SM[kernel]
 
@@ -445,12 +446,12 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
         o, lse = out
         _check_out("out[0]", o, q.shape, q.dtype)
         _check_out("out[1]", lse, q.shape[:-1], cp.float32)
+        if step.merge is None and o.data.ptr % 16:  # "fused": its root block stores o 8 or 4 bytes at a time
+            raise ValueError("out[0] must start on a 16-byte boundary for kernel='fused' (it stores several elements "
+                             "at a time); a fresh CuPy array does")
     # (n, d) inputs are passed as they are: a (1, 1, n, d) view would be the same pointer
     args = (q, k_cache, v_cache, lens, o_parts, lse_parts, *step.dims, scale, _CAUSAL[bool(causal)])
     if step.merge is None:  # "fused": the tree's nodes and its counters, which every call leaves at zero
-        if o.data.ptr % 16:  # its root block stores o 8 (d = 128) or 4 bytes at a time
-            raise ValueError("out[0] must start on a 16-byte boundary for kernel='fused' (it stores several elements "
-                             "at a time); a fresh CuPy array does")
         if workspace is None:
             tree_o, tree_l = cp.empty(step.tree[0], cp.float32), cp.empty(step.tree[1], cp.float32)
             counts = cp.zeros(step.tree[2], cp.int32)

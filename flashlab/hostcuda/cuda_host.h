@@ -460,34 +460,16 @@ inline void named_bars_check_clear() {
         }
     for (auto& b : g_named) b = HostNamedBar{};
 }
-template <class Map>
-inline void tma_load_3d(unsigned dst, const Map* map, int x, int y, int z, unsigned bar) {
-    const unsigned long long* m = (const unsigned long long*)map;
-    const unsigned char* base = (const unsigned char*)(std::uintptr_t)m[0];
-    const long long d = m[1], rows = m[2], heads = m[3], row_stride = m[4], head_stride = m[5];
-    const int box_cols = (int)m[6], box_rows = (int)m[7];
-    for (int r = 0; r < box_rows; ++r)
-        for (int c = 0; c < box_cols; ++c) {
-            const long long gr = y + r, gc = x + c;
-            std::uint16_t v = 0;
-            if (gr < rows && gc < d && z < heads) std::memcpy(&v, base + z * head_stride + gr * row_stride + 2 * gc, 2);
-            unsigned a = dst + r * 2 * box_cols + 2 * c;
-            a ^= ((a >> 7) & 7u) << 4;  // the 128-byte swizzle, on the address
-            std::memcpy(smem_ptr(a), &v, 2);
-        }
-    std::lock_guard<std::mutex> lock(g_mbar_mutex);
-    mbar_update(bar, 0, -2 * box_rows * box_cols);
-}
-
-// A 4-D map (words 8 and 9: the size and byte stride of the dimension between the columns and the rows): the box
-// at (x, y, z, w) is one y and one w, box_rows values of z from z, as the sparse kernel's residue classes use it.
+// A 3-D map's box at (x, y, z): box_rows rows from y of head z. A 4-D map (words 8 and 9: the size and byte stride
+// of the dimension between the columns and the rows; 0 in a 3-D map's words) at (x, y, z, w): one y and one w,
+// box_rows values of z from z, as the sparse kernel's residue classes use it.
 template <class Map>
 inline void tma_load_4d(unsigned dst, const Map* map, int x, int y, int z, int w, unsigned bar) {
     const unsigned long long* m = (const unsigned long long*)map;
     const unsigned char* base = (const unsigned char*)(std::uintptr_t)m[0];
     const long long d = m[1], rows = m[2], heads = m[3], row_stride = m[4], head_stride = m[5];
     const int box_cols = (int)m[6], box_rows = (int)m[7];
-    const long long mid = m[8], mid_stride = m[9];
+    const long long mid = m[8] ? (long long)m[8] : 1, mid_stride = m[9];
     for (int r = 0; r < box_rows; ++r)
         for (int c = 0; c < box_cols; ++c) {
             const long long gr = z + r, gc = x + c;
@@ -500,6 +482,10 @@ inline void tma_load_4d(unsigned dst, const Map* map, int x, int y, int z, int w
         }
     std::lock_guard<std::mutex> lock(g_mbar_mutex);
     mbar_update(bar, 0, -2 * box_rows * box_cols);
+}
+template <class Map>
+inline void tma_load_3d(unsigned dst, const Map* map, int x, int y, int z, unsigned bar) {
+    tma_load_4d(dst, map, x, 0, y, z, bar);
 }
 
 // Host versions of the kernel files' conversion structs, whose PTX bodies (cvt, mma.sync) cannot run here: the
