@@ -103,6 +103,7 @@ inline int atomicAdd(int* p, int v) {
     *p = o + v;
     return o;
 }
+inline int arrive_acq_rel(int* p) { return atomicAdd(p, 1); }  // atom.acq_rel.gpu.add: the lock orders memory
 inline void red_add_v2(float* p, float a, float b) {  // red.global.add.v2.f32
     std::lock_guard<std::mutex> g(g_atomic);
     p[0] += a;

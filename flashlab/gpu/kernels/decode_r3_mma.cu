@@ -268,21 +268,32 @@ __device__ void decode_mma(const u16* __restrict__ q, const u16* __restrict__ k,
 // The blocks of a group (one chunk of query rows of one (batch, K/V head)) finish at about the same time, so the
 // merge must not fall to one block reading every partial: at S = 66 splits and 4 rows that is 135 KB through one
 // warp. Instead the partials are merged as a tree of fan-in FAN. The splits of a group form nodes of level 0; each
-// run of FAN consecutive nodes has a counter, and the block that arrives last at it (atomicAdd returns the run's size
-// minus 1)
-// merges that run into one node of the next level and arrives there in turn. The block that merges the last run
-// writes o and lse. At FAN = 16 a GQA step (66 splits) takes two levels of at most 16 reads per lane per row, all
-// in flight together; a step with one row per group and 16 splits takes one.
+// run of FAN consecutive nodes has a counter, and the block that arrives last at it (the atomic add returns the
+// run's size minus 1) merges that run into one node of the next level and arrives there in turn. The block that
+// merges the last run writes o and lse. At FAN = 16 a GQA step (66 splits) takes two levels; a step with one row
+// per group and 16 splits takes one. A merge has the loads of two rows in flight at once (16 per lane per row).
 //
-// The order of memory operations, as in the CUDA programming guide's threadfence example: a node's writes, then
-// __threadfence() by every lane, then one lane's atomicAdd; the last arriver fences again and reads the nodes with
-// __ldcg (from L2, where the fences made the other SMs' writes visible; its own L1 may hold nothing stale, but
-// __ldcg needs no argument about it). The last arriver sets the counter back to 0, so the counters (zeroed once
-// when the workspace allocates them) are ready for the next call on the stream.
+// The order of memory operations: a node's writes by every lane, __syncwarp (which orders the warp's memory
+// operations), then lane 0's atomic add with release and acquire semantics at GPU scope (atom.acq_rel.gpu): the
+// release carries the whole warp's writes, the acquire makes every earlier arrival's writes visible to the last
+// arriver, and a second __syncwarp passes that on to its other lanes, which read the nodes with __ldcg (from L2).
+// This is the pattern of a grid-wide semaphore (one thread releases after a block barrier, one acquires before
+// one). The CUDA programming guide's threadfence example instead has every thread run __threadfence(), a
+// sequentially consistent fence (MEMBAR.SC in the machine code), at every arrival. The last arriver sets the
+// counter back to 0, so the counters (zeroed once when the workspace allocates them) are ready for the next call
+// on the stream.
 //
 // Nodes above level 0 live in tree_o (rows, T, D) / tree_l (rows, T), T the number of them per row
 // (flashlab.gpu.decoding.merge_tree_sizes), so that the level-0 partials stay what the "mma" kernel writes.
 #define FAN 16
+
+// One arrival at a run's counter: atomic add of 1 with release (the warp's writes before it, which __syncwarp
+// ordered before this lane's) and acquire (the other blocks' writes, released by their arrivals, visible after it).
+__device__ __forceinline__ int arrive_acq_rel(int* p) {
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(p) : "memory");
+    return old;
+}
 
 template <int C>
 __device__ __forceinline__ void load_cols(float* x, const float* p) {  // C consecutive floats from L2
@@ -318,57 +329,65 @@ __device__ void merge_tree(const float* __restrict__ opart, const float* __restr
     while (true) {
         const int run = idx / FAN, start = run * FAN, members = min(FAN, nodes - start);
         const int up = (nodes + FAN - 1) / FAN;  // nodes of the next level
-        __threadfence();  // this lane's writes of the node, before the arrival below
-        __syncwarp();
+        __syncwarp();  // every lane's writes of the node, before lane 0's release below
         bool last = false;
         if (lane == 0) {
-            last = atomicAdd(cnt + cnt_at + run, 1) == members - 1;
+            last = arrive_acq_rel(cnt + cnt_at + run) == members - 1;
             if (last) cnt[cnt_at + run] = 0;  // every member has arrived: ready for the next call
         }
         if (!__any_sync(0xffffffffu, last)) return;  // lane 0's answer, to every lane
-        __syncwarp();  // a vote orders no memory: the barrier puts lane 0's atomic before every lane's fence
-        __threadfence();
-        for (int r = 0; r < nrows; ++r) {
-            const size_t row = row_base + r;
-            float ls[FAN], os[FAN][C];
+        __syncwarp();  // a vote orders no memory: the barrier puts lane 0's acquire before every lane's loads
+        constexpr int RB = 2;  // rows merged together: their loads in flight at once
+        for (int r0 = 0; r0 < nrows; r0 += RB) {
+            float ls[RB][FAN], os[RB][FAN][C];
 #pragma unroll
-            for (int i = 0; i < FAN; ++i) {  // every load of the row issued before the first is used
-                const size_t at = row * stride + first_node + start + i;
-                ls[i] = i < members ? __ldcg(src_l + at) : NEG_INF;
-                if (i < members) load_cols<C>(os[i], src_o + at * D + lane * C);
-            }
-            float mx = NEG_INF;
-#pragma unroll
-            for (int i = 0; i < FAN; ++i) mx = fmaxf(mx, ls[i]);
-            float w = 0.f, x[C];
-#pragma unroll
-            for (int c = 0; c < C; ++c) x[c] = 0.f;
-            if (mx != NEG_INF) {  // else no node of the run saw a key: o = 0, lse = -inf, as in the reference
+            for (int j = 0; j < RB; ++j) {  // every load of these rows issued before the first is used
+                const size_t row = row_base + r0 + j;
 #pragma unroll
                 for (int i = 0; i < FAN; ++i) {
-                    const float e = i < members ? expf(ls[i] - mx) : 0.f;  // 0 for a node that saw no key
-                    w += e;
-#pragma unroll
-                    for (int c = 0; c < C; ++c) x[c] = i < members ? fmaf(e, os[i][c], x[c]) : x[c];
+                    const bool real = r0 + j < nrows && i < members;
+                    const size_t at = row * stride + first_node + start + i;
+                    ls[j][i] = real ? __ldcg(src_l + at) : NEG_INF;
+                    if (real) load_cols<C>(os[j][i], src_o + at * D + lane * C);
                 }
-#pragma unroll
-                for (int c = 0; c < C; ++c) x[c] /= w;
             }
-            const float l = mx == NEG_INF ? NEG_INF : mx + logf(w);
-            if (up == 1) {  // the root: the step's output, rounded to the inputs' type
-                u32 packed[C / 2];
 #pragma unroll
-                for (int c = 0; c < C; c += 2) packed[c / 2] = Ty::pack(x[c], x[c + 1]);
-                u16* dst = o + row * D + lane * C;
-                if constexpr (C == 4)
-                    *(uint2*)dst = make_uint2(packed[0], packed[1]);
-                else
-                    *(u32*)dst = packed[0];
-                if (lane == 0) lse[row] = l;
-            } else {
-                const size_t at = row * ntree + tree_at + run;
-                store_cols<C>(tree_o + at * D + lane * C, x);
-                if (lane == 0) tree_l[at] = l;
+            for (int j = 0; j < RB; ++j) {
+                if (r0 + j >= nrows) break;
+                const size_t row = row_base + r0 + j;
+                float mx = NEG_INF;
+#pragma unroll
+                for (int i = 0; i < FAN; ++i) mx = fmaxf(mx, ls[j][i]);
+                float w = 0.f, x[C];
+#pragma unroll
+                for (int c = 0; c < C; ++c) x[c] = 0.f;
+                if (mx != NEG_INF) {  // else no node of the run saw a key: o = 0, lse = -inf, as in the reference
+#pragma unroll
+                    for (int i = 0; i < FAN; ++i) {
+                        const float e = i < members ? expf(ls[j][i] - mx) : 0.f;  // 0 for a node that saw no key
+                        w += e;
+#pragma unroll
+                        for (int c = 0; c < C; ++c) x[c] = i < members ? fmaf(e, os[j][i][c], x[c]) : x[c];
+                    }
+#pragma unroll
+                    for (int c = 0; c < C; ++c) x[c] /= w;
+                }
+                const float l = mx == NEG_INF ? NEG_INF : mx + logf(w);
+                if (up == 1) {  // the root: the step's output, rounded to the inputs' type
+                    u32 packed[C / 2];
+#pragma unroll
+                    for (int c = 0; c < C; c += 2) packed[c / 2] = Ty::pack(x[c], x[c + 1]);
+                    u16* dst = o + row * D + lane * C;
+                    if constexpr (C == 4)
+                        *(uint2*)dst = make_uint2(packed[0], packed[1]);
+                    else
+                        *(u32*)dst = packed[0];
+                    if (lane == 0) lse[row] = l;
+                } else {
+                    const size_t at = row * ntree + tree_at + run;
+                    store_cols<C>(tree_o + at * D + lane * C, x);
+                    if (lane == 0) tree_l[at] = l;
+                }
             }
         }
         if (up == 1) return;
