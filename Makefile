@@ -117,8 +117,10 @@ bench-hopper: setup
 
 bench-decode: setup
 	$(BENCH) decode --m 65536 --splits 4 16 20 41 64 128 256 --repeat 20 --warmup 3 --rounds 2
-	$(BENCH) decode --name decode_gqa --m 131072 --heads 32 --kv-heads 8 --kernels keys mma fused --splits 16 33 66 132 264 \
+	$(BENCH) decode --name decode_gqa --m 131072 --heads 32 --kv-heads 8 --kernels keys mma --splits 16 33 66 132 264 \
 	    --repeat 20 --warmup 3 --rounds 2
+	$(BENCH) decode --name decode_fused --m 131072 --heads 32 --kv-heads 8 --kernels mma fused --repeat 20 --warmup 3 \
+	    --rounds 2
 
 bench-memory: setup
 	$(BENCH) memory --n 1024 4096 16384 --repeat 20
@@ -214,8 +216,8 @@ profile-decode: setup
 	    > data/raw/ncu/ncu_decode_keys_gqa.txt
 	ncu --profile-from-start off --clock-control none $(DECODE_SECTIONS) $(PROFILE) --impl mma $(DECODE_SHAPE) \
 	    > data/raw/ncu/ncu_decode_mma_gqa.txt
-	ncu --profile-from-start off --clock-control none $(DECODE_SECTIONS) $(PROFILE) --impl fused $(DECODE_SHAPE) \
-	    > data/raw/ncu/ncu_decode_fused_gqa.txt
+	for impl in mma fused; do ncu --profile-from-start off --clock-control none $(DECODE_SECTIONS) $(PROFILE) \
+	    --impl $$impl $(DECODE_SHAPE); done > data/raw/ncu/ncu_decode_fused_gqa.txt 2>&1
 
 profile-backward: setup
 	mkdir -p build data/raw/ncu
