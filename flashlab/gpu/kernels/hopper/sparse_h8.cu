@@ -99,15 +99,18 @@ __device__ void attn_sparse(const TensorMap* qmap, const TensorMap* kmap, const 
         const int G = gridDim.x, k = blockIdx.x;
         return j * G + ((j & 1) ? G - 1 - k : k);
     };
-    // Slot -> output tile: its head, batch entry, first query row and its computed key tiles: positions
+    // Order entry -> output tile: its head, batch entry, first query row and its computed key tiles: positions
     // pbeg .. pend - 1 of the list (LIST), or key tiles pbeg .. pend - 1 of the window's range, of which ntiles are
     // computed.
     struct Tile {
         int h, b, q0, pbeg, pend, ntiles;
     };
-    auto tile_of = [&](int i) {
+    // The output tile of order entry v = order[slot]. Both roles load the next slot's entry while they work on this
+    // one (order_at), so the walk to the next output tile does not start with a load from global memory.
+    auto order_at = [&](int i) { return i < ntiles_all ? __ldg(order + i) : 0; };
+    auto tile_of = [&](int v) {
         Tile w;
-        const int v = __ldg(order + i), qb = v % nqb, hb = v / nqb;
+        const int qb = v % nqb, hb = v / nqb;
         w.h = hb % H;
         w.b = hb / H;
         w.q0 = qb * BR;
@@ -157,8 +160,10 @@ __device__ void attn_sparse(const TensorMap* qmap, const TensorMap* kmap, const 
         setmaxnreg_dec<40>();
         if (threadIdx.x == 0) {
             int it = 0, qi = 0;  // K/V tiles and output tiles with a computed tile, loaded by this block so far
+            int v = order_at(slot_of(0));
             for (int j = 0, i = slot_of(0); i < ntiles_all; i = slot_of(++j)) {
-                const Tile w = tile_of(i);
+                const Tile w = tile_of(v);
+                v = order_at(slot_of(j + 1));
                 if (w.ntiles == 0) continue;  // no S reads its Q
                 const int hk = w.h / (H / Hk), qb = qi & 1;
                 // with residue classes, batch entry b' = b classes + c: class c of head-and-batch entry (b, h)
@@ -396,8 +401,10 @@ __device__ void attn_sparse(const TensorMap* qmap, const TensorMap* kmap, const 
     // consumer's turn; Q is double-buffered so that the next tile's Q has landed by then. The first P V of a tile
     // starts its O afresh (the wgmma's scale-d of 0: no instruction writes the accumulators between products).
     int fresh = 1;  // the next P V starts a new O
+    int v = order_at(slot_of(0));
     for (int j = 0, i = slot_of(0); i < ntiles_all; i = slot_of(++j)) {
-        const Tile nw = tile_of(i);
+        const Tile nw = tile_of(v);
+        v = order_at(slot_of(j + 1));
         if (nw.ntiles == 0) {  // no key is computed: the rows are written at once, no turn is taken
             store(nw, Rows{}, true);
             continue;
