@@ -445,3 +445,65 @@ def test_default_lengths_out_and_workspace_give_the_same_result(rng, kernel):
             np.testing.assert_array_equal(lse.get(), want_l.get())
     # The default lengths against float64, through the reference check of every split.
     _check_decode(rng, "f16", 2, 4, 2, 2, 700, 128, True, 3, [700, 700], kernel=kernel)
+
+
+# ------------------------------------------------------------------------- the merge as a dependent launch
+def test_dependent_merge_is_taken_where_it_can_run_and_refused_with_the_reason():
+    merge = object()  # no .kernel: not compiled by CuPy, so nothing to launch through the driver
+    assert decoding._dependent_merge(merge, (4,), None, 80) is None
+    assert decoding._dependent_merge(merge, (4,), False, 90) is None
+    assert decoding._dependent_merge(None, (4,), None, 90) is None  # "fused": no merge kernel
+    assert decoding._dependent_merge(merge, (4,), None, 90) is None
+    with pytest.raises(ValueError, match="sm_90 or later; this GPU is sm_80"):
+        decoding._dependent_merge(merge, (4,), True, 80)
+    with pytest.raises(ValueError, match="not a CuPy RawKernel"):
+        decoding._dependent_merge(merge, (4,), True, 90)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["mma", "keys", "rows"])
+def test_a_dependent_merge_gives_the_ordinary_launch_s_bits_back_to_back_on_any_stream(rng, kernel):
+    """The merge launched as a programmatic dependent waits for the split grid: steps launched back to back through
+    one workspace, with different inputs each, so that a merge that read early would read another step's partials,
+    give the bits of ordinary launches, on the default stream and on a stream of their own."""
+    import cupy as cp
+
+    import flashlab.gpu as fgpu
+
+    if fgpu.compute_capability() < decoding.DEPENDENT_MERGE_MIN_CC:
+        with pytest.raises(ValueError, match="sm_90 or later"):
+            x = cp.zeros((1, 2, 1, 64), dtype=cp.float16)
+            fgpu.decode(x, x, x, dependent_merge=True)
+        pytest.skip("programmatic dependent launch needs sm_90")
+    pytest.importorskip("cuda.bindings")
+    B, H, Hk, n, m, d = 1, 32, 8, 1, 20000, 128
+    steps = [tuple(cp.asarray(rng.standard_normal(shape).astype(np.float16))
+                   for shape in ((B, H, n, d), (B, Hk, m, d), (B, Hk, m, d))) for _ in range(3)]
+    want = [fgpu.decode(*s, kernel=kernel, dependent_merge=False) for s in steps]
+    plain = fgpu.decode(*steps[0], kernel=kernel)  # the default takes the dependent launch here
+    np.testing.assert_array_equal(plain[0].get(), want[0][0].get())
+    for stream in (cp.cuda.Stream.null, cp.cuda.Stream(non_blocking=True)):
+        with stream:
+            ws = fgpu.Workspace()
+            outs = [(cp.empty_like(s[0]), cp.empty(s[0].shape[:-1], dtype=cp.float32)) for s in steps * 10]
+            for s, out in zip(steps * 10, outs, strict=True):
+                fgpu.decode(*s, kernel=kernel, dependent_merge=True, out=out, workspace=ws)
+            stream.synchronize()
+        for i, (o, lse) in enumerate(outs):
+            np.testing.assert_array_equal(o.get(), want[i % 3][0].get(), err_msg=f"step {i}")
+            np.testing.assert_array_equal(lse.get(), want[i % 3][1].get(), err_msg=f"step {i}")
+    key = next(k for k in decoding._steps() if k[7] == kernel and k[9] is True)
+    assert isinstance(decoding._steps()[key].dependent, decoding._DependentMerge)
+
+
+@pytest.mark.gpu
+def test_dependent_merge_bad_values_get_clear_errors():
+    import cupy as cp
+
+    import flashlab.gpu as fgpu
+
+    x = cp.zeros((1, 2, 8, 64), dtype=cp.float16)
+    with pytest.raises(TypeError, match="dependent_merge must be True, False or None"):
+        fgpu.decode(x, x, x, dependent_merge="yes")
+    with pytest.raises(ValueError, match="kernel='fused' merges inside its own launch"):
+        fgpu.decode(x, x, x, kernel="fused", dependent_merge=True)

@@ -6,7 +6,10 @@ into preallocated outputs with a reused workspace and the default lengths), PyTo
 ("sdpa": PyTorch's own choice of backend; "sdpa_flash", "sdpa_cudnn": that backend), and a device-to-device copy
 of the cache, whose bandwidth gives the time to read the cache once: all in one run, on the same random fp16
 inputs, each output checked against the unsplit "rows" kernel before it is timed, each timed under every protocol
-of --protocols (one row each). Rows: pass "decode", with kv_bytes and GB/s, written to data/ch8/decode.json.
+of --protocols (one row each). Rows: pass "decode", with kv_bytes and GB/s, written to data/ch8/decode.json. A
+split kernel's rows say how its merge kernel was launched (``merge_launch``: "dependent", a programmatic dependent
+launch, the default from sm_90; or "ordinary"); ``--ordinary-merge`` adds "<kernel>_ordinary_merge", the default
+split count with an ordinary launch, to compare the two in one run.
 """
 
 from __future__ import annotations
@@ -75,16 +78,20 @@ def _decode_one(args, m: int, rows: list[dict], rng) -> None:
     workspace = fgpu.Workspace()
     timed: list[tuple] = []  # (row base, timed call, event kind, samples per protocol, max |diff|), in timing order
     # impl: "<kernel>" with the default split count, "<kernel>_unsplit", "<kernel>_split_<S>"
-    runs = [(f"{kern}{suffix}", kern, splits) for kern in args.kernels
+    runs = [(f"{kern}{suffix}", kern, splits, None) for kern in args.kernels
             for suffix, splits in [("", None), ("_unsplit", 1)] + [(f"_split_{s}", s) for s in args.splits]]
-    for name, kern, splits in runs:
-        def fn(splits=splits, kern=kern):
-            return fgpu.decode(q, k, v, num_splits=splits, kernel=kern, out=out, workspace=workspace)
+    if args.ordinary_merge:  # the default split count with the merge launched the ordinary way
+        runs += [(f"{kern}_ordinary_merge", kern, None, False) for kern in args.kernels if kern != "fused"]
+    for name, kern, splits, dependent in runs:
+        def fn(splits=splits, kern=kern, dependent=dependent):
+            return fgpu.decode(q, k, v, num_splits=splits, kernel=kern, out=out, workspace=workspace,
+                               dependent_merge=dependent)
 
         # the split count decode chose (the default comes from the kernel's occupancy on this GPU)
         used = splits or decoding.default_splits_here(q.shape, k.shape, d, kern)
-        _first_round(args, rows, timed, {**base, "impl": name, "kernel": kern, "num_splits": used}, fn, "cupy",
-                     lambda fn=fn: fn()[0], ref)
+        extra = {} if kern == "fused" else {"merge_launch": _merge_launch(q, k, v, splits, kern, dependent)}
+        _first_round(args, rows, timed, {**base, "impl": name, "kernel": kern, "num_splits": used, **extra}, fn,
+                     "cupy", lambda fn=fn: fn()[0], ref)
     for name, sdpa in _sdpa_calls(q, k, v, H != Hk):
         _first_round(args, rows, timed, {**base, "impl": name}, sdpa, "torch",
                      lambda sdpa=sdpa: cp.from_dlpack(sdpa().contiguous()), ref)
@@ -99,6 +106,13 @@ def _decode_one(args, m: int, rows: list[dict], rng) -> None:
             rows.append({**row, "rounds": rounds} if rounds > 1 else row)
             print(f"  {row['impl']:<16} splits={row.get('num_splits', '-')!s:<5} {protocol:<10} {ms * 1e3:9.1f} us  "
                   f"{row['gbps']:7.0f} GB/s  {row['x_read_once']:.2f}x copy time  max|diff|={err:.1e}", flush=True)
+
+
+def _merge_launch(q, k, v, splits, kern: str, dependent) -> str:
+    """How the merge kernel of this call is launched: "dependent" (programmatic dependent launch) or "ordinary",
+    as the planned step says."""
+    step = decoding._plan_step(q, k, v, False, kern, splits, dependent)
+    return "ordinary" if step.dependent is None else "dependent"
 
 
 def _sdpa_calls(q, k, v, gqa: bool) -> list:
@@ -193,6 +207,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--splits", nargs="*", type=int, default=[4, 16, 64, 256], help="extra split counts")
     p.add_argument("--kernels", nargs="+", default=list(decoding.KERNELS), choices=decoding.KERNELS,
                    help="split kernels to time")
+    p.add_argument("--ordinary-merge", action="store_true",
+                   help="also time each kernel's default split count with the merge kernel launched the ordinary "
+                        "way (impl <kernel>_ordinary_merge), beside the dependent launch the default takes from sm_90")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=None, help="K/V heads (default: heads)")
     p.add_argument("--batch", type=int, default=None, help="default 1")

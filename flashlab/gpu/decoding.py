@@ -296,6 +296,79 @@ def _kernels(dt: str, d: int, kernel: str, rows: int):
 NULL_POINTER = np.int64(0)
 
 
+class _DependentMerge:
+    """The merge kernel launched as a programmatic dependent of the split kernel (sm_90 and later).
+
+    An ordinary launch of the merge starts its blocks after the split grid has ended: the GPU then spends the
+    launch and the blocks' start-up with the SMs idle. Launched with the attribute
+    ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``, the merge grid may be scheduled as soon as every split
+    block has executed ``griddepcontrol.launch_dependents`` (``decode_mma_*`` does so first; the other split kernels
+    at their end), and each merge block waits in ``griddepcontrol.wait`` until the split grid has ended and its
+    partials are in memory. CuPy's ``RawKernel`` cannot set launch attributes, so this launches CuPy's compiled
+    function through the driver's ``cuLaunchKernelEx`` (cuda-bindings, as the TMA kernels use for their tensor maps),
+    on CuPy's current stream. One object per planned step; each call builds its own argument block, so that threads
+    sharing a step do not share one.
+    """
+
+    def __init__(self, kern, grid: tuple[int, ...], threads: int) -> None:
+        import ctypes
+
+        from cuda.bindings import driver as cu
+
+        self._cu, self._ctypes = cu, ctypes
+        self._func = cu.CUfunction(kern.kernel.ptr)
+        self._grid, self._threads = (*grid, 1, 1)[:3], threads
+        self._configs: dict[int, Any] = {}  # CuPy stream pointer -> its launch configuration
+        self._slots = ctypes.c_uint64 * 5  # o_parts, lse_parts, o, lse, num_splits (an int in the low bytes)
+        self._params = ctypes.c_void_p * 5
+
+    def _config(self, stream: int):
+        cu = self._cu
+        cfg = cu.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = self._grid
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self._threads, 1, 1
+        cfg.sharedMemBytes = 0
+        cfg.hStream = cu.CUstream(stream)
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        cfg.attrs = [attr]
+        cfg.numAttrs = 1
+        return self._configs.setdefault(stream, cfg)
+
+    def __call__(self, o_parts, lse_parts, o, lse, num_splits, stream: int) -> None:
+        cfg = self._configs.get(stream) or self._config(stream)
+        slots = self._slots(o_parts.data.ptr, lse_parts.data.ptr, o.data.ptr, lse.data.ptr, int(num_splits))
+        at = self._ctypes.addressof(slots)
+        params = self._params(at, at + 8, at + 16, at + 24, at + 32)
+        err, = self._cu.cuLaunchKernelEx(cfg, self._func, self._ctypes.addressof(params), 0)
+        if err != self._cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"launching the merge kernel (cuLaunchKernelEx) failed: {err!r}")
+
+
+DEPENDENT_MERGE_MIN_CC = 90  # griddepcontrol: programmatic dependent launch, Hopper on
+
+
+def _dependent_merge(merge, grid, asked: bool | None, cc: int):
+    """A ``_DependentMerge`` for this step, or None for an ordinary launch: ``asked`` None takes it where it can
+    run (sm_90 on, cuda-bindings installed), False never, True or an error saying why not."""
+    if asked is False or merge is None:
+        return None
+    why = None
+    if cc < DEPENDENT_MERGE_MIN_CC:
+        why = f"programmatic dependent launch needs sm_{DEPENDENT_MERGE_MIN_CC} or later; this GPU is sm_{cc}"
+    elif not hasattr(merge, "kernel"):  # not a kernel CuPy compiled (the host emulation's): no driver function
+        why = "the merge kernel is not a CuPy RawKernel, so it has no driver function to launch"
+    else:
+        try:
+            return _DependentMerge(merge, grid, MERGE_THREADS)
+        except ImportError as e:
+            why = f"launching with attributes needs cuda-bindings (pip install cuda-bindings): {e}"
+    if asked:
+        raise ValueError(f"dependent_merge=True: {why}")
+    return None
+
+
 def _lengths_array(lengths, B: int, m: int):
     """The lengths as the kernels take them: a device int32 array, or NULL_POINTER for "all m"."""
     from . import _cupy
@@ -319,6 +392,7 @@ class _Step:
     dt: str  # "f16" or "bf16"
     split: Any  # the split kernel, compiled and loaded
     merge: Any  # the merge kernel; None for "fused"
+    dependent: Any  # the merge kernel as a programmatic dependent launch (``_DependentMerge``), or None
     grid: tuple[int, int, int]
     threads: int
     dims: tuple  # n, m, H, Hk and the split length as np.int32: the split kernel's arguments after the arrays
@@ -351,7 +425,8 @@ def _steps() -> dict:
     return _gpu()._FUNCTIONS.setdefault("decode steps", {})
 
 
-def _plan_step(q, k_cache, v_cache, bf16: bool, kernel: str, num_splits: int | None) -> _Step:
+def _plan_step(q, k_cache, v_cache, bf16: bool, kernel: str, num_splits: int | None,
+               dependent_merge: bool | None = None) -> _Step:
     """Every check of ``decode``'s inputs, its kernel plan, the compiled kernels, grid and split count."""
     dt = _check_inputs(q, k_cache, v_cache, bf16)
     _check_half_launch("decode", dt, {"q": q, "k_cache": k_cache, "v_cache": v_cache})
@@ -361,7 +436,8 @@ def _plan_step(q, k_cache, v_cache, bf16: bool, kernel: str, num_splits: int | N
     B, H, n, _ = q4.shape
     Hk, m = k4.shape[1], k4.shape[2]
     G = H // Hk
-    kernel = _decode_plan(d, kernel, _gpu().device_limits()).kernel
+    lim = _gpu().device_limits()
+    kernel = _decode_plan(d, kernel, lim).kernel
     rows = block_rows(kernel, G * n)
     chunks = math.ceil(G * n / rows)
     if kernel == "rows" and Hk * chunks > 65535:
@@ -378,14 +454,19 @@ def _plan_step(q, k_cache, v_cache, bf16: bool, kernel: str, num_splits: int | N
     dims = tuple(np.int32(x) for x in (n, m, H, Hk, split_length(m, num_splits)))
     nodes, counters = merge_tree_sizes(num_splits)
     tree = ((B * H * n, max(nodes, 1), d), (B * H * n, max(nodes, 1)), (B * Hk * chunks * counters,))
-    return _Step(dt, split, merge, grid, SPLIT_THREADS[kernel], dims, np.int32(num_splits),
+    if dependent_merge and merge is None:
+        raise ValueError("dependent_merge=True: kernel='fused' merges inside its own launch; there is no merge "
+                         "kernel to launch")
+    dependent = _dependent_merge(merge, (B * H * n,), dependent_merge, lim.cc)
+    return _Step(dt, split, merge, dependent, grid, SPLIT_THREADS[kernel], dims, np.int32(num_splits),
                  ((B, H, n, num_splits, d), (B, H, n, num_splits)), (B * H * n,), d, B, m,
                  np.float32(check_scale(None, d)), tree, (np.int32(nodes), np.int32(counters)))
 
 
 def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Sequence[int] | None = None,
            causal: bool = False, scale: float | None = None, bf16: bool = False, return_partials: bool = False,
-           kernel: str = "best", out: tuple[Any, Any] | None = None, workspace: Workspace | None = None):
+           kernel: str = "best", out: tuple[Any, Any] | None = None, workspace: Workspace | None = None,
+           dependent_merge: bool | None = None):
     """Attention of a few query tokens against a KV cache, split over the keys (FlashDecoding). Returns (o, lse).
 
     q is (batch, heads, n, d) or (n, d); k_cache and v_cache are (batch, heads_kv, m, d) or (m, d), heads_kv
@@ -407,6 +488,11 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     ``flashlab.gpu.Workspace``) keeps the partials from call to call (partials returned from a call with a
     workspace are its buffers, overwritten by the next call). With both and the default ``lengths``, a decoding
     step allocates nothing and launches two kernels ("fused": one).
+
+    ``dependent_merge``: launch the merge kernel as a programmatic dependent of the split kernel, so that its launch
+    and its blocks' start-up overlap the split work (``_DependentMerge``). None (the default) does where the GPU
+    can (sm_90 on, with cuda-bindings installed); False never (an ordinary launch); True or a ValueError saying why
+    not.
     """
     cp = _cupy()
     if not isinstance(causal, (bool, np.bool_)):
@@ -415,13 +501,15 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
         raise TypeError(f"num_splits must be an int or None; got {num_splits!r}")
     if not isinstance(kernel, str):
         raise TypeError(f"kernel must be a name (a str); got {kernel!r}")
+    if dependent_merge is not None and not isinstance(dependent_merge, (bool, np.bool_)):
+        raise TypeError(f"dependent_merge must be True, False or None; got {dependent_merge!r}")
     step = key = None
     if isinstance(q, cp.ndarray) and isinstance(k_cache, cp.ndarray) and isinstance(v_cache, cp.ndarray):
         key = (q.shape, k_cache.shape, v_cache.shape, q.dtype, k_cache.dtype, v_cache.dtype, bool(bf16), kernel,
-               num_splits, _device_id(cp))
+               num_splits, dependent_merge, _device_id(cp))
         step = _steps().get(key)
     if step is None:  # the first call of this signature: every check, the plan, the kernels, the split count
-        step = _plan_step(q, k_cache, v_cache, bf16, kernel, num_splits)
+        step = _plan_step(q, k_cache, v_cache, bf16, kernel, num_splits, dependent_merge)
         if key is not None:
             steps = _steps()
             if len(steps) >= _STEPS_KEPT:
@@ -462,7 +550,10 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
         step.split(step.grid, (step.threads,), (*args, tree_o, tree_l, counts, o, lse, *step.tree_dims))
     else:
         step.split(step.grid, (step.threads,), args)
-        step.merge(step.merge_grid, (MERGE_THREADS,), (o_parts, lse_parts, o, lse, step.num_splits))
+        if step.dependent is None:
+            step.merge(step.merge_grid, (MERGE_THREADS,), (o_parts, lse_parts, o, lse, step.num_splits))
+        else:
+            step.dependent(o_parts, lse_parts, o, lse, step.num_splits, cp.cuda.get_current_stream().ptr)
     if return_partials:
         return o, lse, o_parts, lse_parts
     return o, lse

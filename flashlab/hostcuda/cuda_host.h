@@ -104,6 +104,9 @@ inline int atomicAdd(int* p, int v) {
     return o;
 }
 inline int arrive_acq_rel(int* p) { return atomicAdd(p, 1); }  // atom.acq_rel.gpu.add: the lock orders memory
+// griddepcontrol: kernels run here one after another, so a dependent grid never starts before its primary ends
+inline void let_dependents_launch() {}
+inline void wait_for_split_grid() {}
 inline void red_add_v2(float* p, float a, float b) {  // red.global.add.v2.f32
     std::lock_guard<std::mutex> g(g_atomic);
     p[0] += a;

@@ -38,7 +38,9 @@ PTX_HELPERS = ("ex2", "smem_addr", "ldsm_x4", "ldsm_x4_t", "cp_async16", "cp_asy
                # and the Hopper backward's (kernels/hopper/bwd_h*.cu)
                "red_add_v2", "hold", "bulk_reduce_add", "bulk_commit", "bulk_wait_read", "bulk_wait",
                # and the fused decoding kernel's (kernels/decode_r3_mma.cu)
-               "arrive_acq_rel")
+               "arrive_acq_rel",
+               # and decoding's programmatic dependent launch (decode_r3_mma.cu, decode_r1_split.cu)
+               "let_dependents_launch", "wait_for_split_grid")
 # (Wgmma<N> in wgmma.cuh; WgmmaT<N>, both operands transposed, in the Hopper backward)
 HOPPER_STRUCTS = (re.compile(r"template <>\s*struct WgmmaT?<\d+> \{"),
                   re.compile(r"template <int N>\s*struct WgmmaT?;"))

@@ -212,6 +212,15 @@ __device__ void decode_split(const u16* __restrict__ q, const u16* __restrict__ 
 // block reductions each after its own pass over lse, took 7.1 us (data/raw/ncu/ncu_decode_mma_gqa.txt).
 #define MT 1024
 
+// From sm_90 the launcher starts the merge kernel as a programmatic dependent of the split kernel
+// (flashlab.gpu.decoding): its blocks may be resident before the split grid ends, and wait here until that grid
+// has ended and its partials are visible in global memory. After an ordinary launch the wait returns at once.
+__device__ __forceinline__ void wait_for_split_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 template <class Ty, int D>
 __device__ void decode_merge(const float* __restrict__ opart, const float* __restrict__ lpart, u16* __restrict__ o,
                              float* __restrict__ lse, int nsplit) {
@@ -222,6 +231,7 @@ __device__ void decode_merge(const float* __restrict__ opart, const float* __res
     const int t = threadIdx.x, c = t % D, grp = t / D;
     const float* lp = lpart + row * nsplit;
     const float* op = opart + row * nsplit * D;
+    wait_for_split_grid();
     // This group's splits: mx its largest lse, w = sum of exp(lse_s - mx), x = sum of exp(lse_s - mx) o_s[c]. A
     // split that saw no key (lse -inf, o zeros) weighs 0; until a group has seen a key, mx stays -inf.
     float mx = NEG_INF, w = 0.f, x = 0.f;

@@ -396,10 +396,22 @@ __device__ void merge_tree(const float* __restrict__ opart, const float* __restr
     }
 }
 
+// From sm_90 the merge kernel is launched as a programmatic dependent of decode_mma_* (flashlab.gpu.decoding): once
+// every block of this grid has said so here, the merge kernel's blocks may be scheduled, onto whatever room the SMs
+// have, and wait in griddepcontrol.wait for this grid to end -- so its launch and block start-up overlap the split
+// work instead of following it. Said at the start: the merge waits for the whole grid in any case, so nothing it
+// reads depends on where this stands, and a grid of one wave (the default split count) has every block started.
+__device__ __forceinline__ void let_dependents_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 #define DEFINE_KERNEL(DT, TY, D)                                                                                   \
     extern "C" __global__ void __launch_bounds__(32) decode_mma_##DT##_d##D(                                       \
         const u16* q, const u16* k, const u16* v, const int* lens, float* opart, float* lpart, int n, int m, int H, \
         int Hk, int split_len, float scale, int causal) {                                                          \
+        let_dependents_launch();                                                                                   \
         decode_mma<TY, D>(q, k, v, lens, opart, lpart, n, m, H, Hk, split_len, scale, causal);                     \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(32) decode_fused_##DT##_d##D(                                     \
