@@ -480,7 +480,7 @@ def test_a_dependent_merge_gives_the_ordinary_launch_s_bits_back_to_back_on_any_
     steps = [tuple(cp.asarray(rng.standard_normal(shape).astype(np.float16))
                    for shape in ((B, H, n, d), (B, Hk, m, d), (B, Hk, m, d))) for _ in range(3)]
     want = [fgpu.decode(*s, kernel=kernel, dependent_merge=False) for s in steps]
-    plain = fgpu.decode(*steps[0], kernel=kernel)  # the default takes the dependent launch here
+    plain = fgpu.decode(*steps[0], kernel=kernel, dependent_merge=None)  # None takes the dependent launch here
     np.testing.assert_array_equal(plain[0].get(), want[0][0].get())
     for stream in (cp.cuda.Stream.null, cp.cuda.Stream(non_blocking=True)):
         with stream:

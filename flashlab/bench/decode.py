@@ -7,9 +7,9 @@ into preallocated outputs with a reused workspace and the default lengths), PyTo
 of the cache, whose bandwidth gives the time to read the cache once: all in one run, on the same random fp16
 inputs, each output checked against the unsplit "rows" kernel before it is timed, each timed under every protocol
 of --protocols (one row each). Rows: pass "decode", with kv_bytes and GB/s, written to data/ch8/decode.json. A
-split kernel's rows say how its merge kernel was launched (``merge_launch``: "dependent", a programmatic dependent
-launch, the default from sm_90; or "ordinary"); ``--ordinary-merge`` adds "<kernel>_ordinary_merge", the default
-split count with an ordinary launch, to compare the two in one run.
+split kernel's rows say how its merge kernel was launched (``merge_launch``: "ordinary", the default, or
+"dependent", a programmatic dependent launch); ``--dependent-merge`` adds "<kernel>_dependent_merge", the default
+split count with the dependent launch (sm_90 on), to compare the two in one run.
 """
 
 from __future__ import annotations
@@ -78,10 +78,10 @@ def _decode_one(args, m: int, rows: list[dict], rng) -> None:
     workspace = fgpu.Workspace()
     timed: list[tuple] = []  # (row base, timed call, event kind, samples per protocol, max |diff|), in timing order
     # impl: "<kernel>" with the default split count, "<kernel>_unsplit", "<kernel>_split_<S>"
-    runs = [(f"{kern}{suffix}", kern, splits, None) for kern in args.kernels
+    runs = [(f"{kern}{suffix}", kern, splits, False) for kern in args.kernels
             for suffix, splits in [("", None), ("_unsplit", 1)] + [(f"_split_{s}", s) for s in args.splits]]
-    if args.ordinary_merge:  # the default split count with the merge launched the ordinary way
-        runs += [(f"{kern}_ordinary_merge", kern, None, False) for kern in args.kernels if kern != "fused"]
+    if args.dependent_merge:  # the default split count with the merge as a programmatic dependent launch
+        runs += [(f"{kern}_dependent_merge", kern, None, True) for kern in args.kernels if kern != "fused"]
     for name, kern, splits, dependent in runs:
         def fn(splits=splits, kern=kern, dependent=dependent):
             return fgpu.decode(q, k, v, num_splits=splits, kernel=kern, out=out, workspace=workspace,
@@ -207,9 +207,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--splits", nargs="*", type=int, default=[4, 16, 64, 256], help="extra split counts")
     p.add_argument("--kernels", nargs="+", default=list(decoding.KERNELS), choices=decoding.KERNELS,
                    help="split kernels to time")
-    p.add_argument("--ordinary-merge", action="store_true",
-                   help="also time each kernel's default split count with the merge kernel launched the ordinary "
-                        "way (impl <kernel>_ordinary_merge), beside the dependent launch the default takes from sm_90")
+    p.add_argument("--dependent-merge", action="store_true",
+                   help="also time each kernel's default split count with the merge kernel launched as a "
+                        "programmatic dependent of the split kernel (impl <kernel>_dependent_merge; sm_90 on)")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=None, help="K/V heads (default: heads)")
     p.add_argument("--batch", type=int, default=None, help="default 1")

@@ -466,7 +466,7 @@ def _plan_step(q, k_cache, v_cache, bf16: bool, kernel: str, num_splits: int | N
 def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Sequence[int] | None = None,
            causal: bool = False, scale: float | None = None, bf16: bool = False, return_partials: bool = False,
            kernel: str = "best", out: tuple[Any, Any] | None = None, workspace: Workspace | None = None,
-           dependent_merge: bool | None = None):
+           dependent_merge: bool | None = False):
     """Attention of a few query tokens against a KV cache, split over the keys (FlashDecoding). Returns (o, lse).
 
     q is (batch, heads, n, d) or (n, d); k_cache and v_cache are (batch, heads_kv, m, d) or (m, d), heads_kv
@@ -490,9 +490,9 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     step allocates nothing and launches two kernels ("fused": one).
 
     ``dependent_merge``: launch the merge kernel as a programmatic dependent of the split kernel, so that its launch
-    and its blocks' start-up overlap the split work (``_DependentMerge``). None (the default) does where the GPU
-    can (sm_90 on, with cuda-bindings installed); False never (an ordinary launch); True or a ValueError saying why
-    not.
+    and its blocks' start-up overlap the split work (``_DependentMerge``). False (the default): an ordinary launch;
+    True: a dependent launch, or a ValueError saying why it cannot be; None: a dependent launch where the GPU can
+    (sm_90 on, with cuda-bindings installed), else an ordinary one.
     """
     cp = _cupy()
     if not isinstance(causal, (bool, np.bool_)):

@@ -212,9 +212,9 @@ __device__ void decode_split(const u16* __restrict__ q, const u16* __restrict__ 
 // block reductions each after its own pass over lse, took 7.1 us (data/raw/ncu/ncu_decode_mma_gqa.txt).
 #define MT 1024
 
-// From sm_90 the launcher starts the merge kernel as a programmatic dependent of the split kernel
-// (flashlab.gpu.decoding): its blocks may be resident before the split grid ends, and wait here until that grid
-// has ended and its partials are visible in global memory. After an ordinary launch the wait returns at once.
+// Launched as a programmatic dependent of the split kernel (decode(..., dependent_merge=True), sm_90 on), the merge
+// kernel's blocks may be resident before the split grid ends, and wait here until that grid has ended and its
+// partials are visible in global memory. After an ordinary launch the wait returns at once.
 __device__ __forceinline__ void wait_for_split_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -396,8 +396,8 @@ __device__ void merge_tree(const float* __restrict__ opart, const float* __restr
     }
 }
 
-// From sm_90 the merge kernel is launched as a programmatic dependent of decode_mma_* (flashlab.gpu.decoding): once
-// every block of this grid has said so here, the merge kernel's blocks may be scheduled, onto whatever room the SMs
+// When the merge kernel is launched as a programmatic dependent of decode_mma_* (decode(..., dependent_merge=True),
+// sm_90 on), its blocks may be scheduled once every block of this grid has said so here, onto whatever room the SMs
 // have, and wait in griddepcontrol.wait for this grid to end -- so its launch and block start-up overlap the split
 // work instead of following it. Said at the start: the merge waits for the whole grid in any case, so nothing it
 // reads depends on where this stands, and a grid of one wave (the default split count) has every block started.
