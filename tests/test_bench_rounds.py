@@ -73,7 +73,7 @@ def test_rounds_below_one_mean_one(monkeypatch, rounds):
     assert _runs(calls) == ["a", "b", "c"] * 2
 
 
-def _run_decode(monkeypatch, rounds: int, broken=()):
+def _run_decode(monkeypatch, rounds: int, broken=(), extra=()):
     """bench decode's loop over one cache length, with decode() replaced by a stand-in that logs its calls (by
     kernel and split count, as the impl names them) and PyTorch absent."""
     monkeypatch.setitem(sys.modules, "cupy", hostemu.fake_cupy())
@@ -84,8 +84,9 @@ def _run_decode(monkeypatch, rounds: int, broken=()):
 
     calls: list[str] = []
 
-    def decode(q, k, v, *, num_splits=None, kernel="best", out=None, workspace=None):
+    def decode(q, k, v, *, num_splits=None, kernel="best", out=None, workspace=None, dependent_merge=False):
         name = kernel + ("" if num_splits is None else "_unsplit" if num_splits == 1 else f"_split_{num_splits}")
+        name += "_dependent_merge" if dependent_merge else ""
         if name in broken:
             raise RuntimeError(f"{name} cannot run here")
         if out is not None:
@@ -96,7 +97,7 @@ def _run_decode(monkeypatch, rounds: int, broken=()):
     monkeypatch.setattr(decoding, "default_splits_here", lambda *a: 7)
     monkeypatch.setattr(bdecode, "_copy_ms", lambda nbytes, repeat, warmup: 1.0)
     args = bdecode.parser().parse_args(["--m", "64", "--heads", "2", "--kernels", "rows", "keys", "--splits", "4",
-                                        "--repeat", "3", "--warmup", "1", "--rounds", str(rounds)])
+                                        "--repeat", "3", "--warmup", "1", "--rounds", str(rounds), *extra])
     rows: list[dict] = []
     bdecode.run(args, rows)
     return rows, calls
@@ -118,6 +119,16 @@ def test_decode_one_round_and_a_failing_kernel(monkeypatch):
     rows, calls = _run_decode(monkeypatch, 3, broken=("keys_unsplit",))
     assert "keys_unsplit" not in calls and [r["impl"] for r in rows if "error" in r] == ["keys_unsplit"]
     assert all(r["rounds"] == 3 for r in rows if "error" not in r) and len(calls) == 5 * (1 + 3 * 2 * (1 + 3))
+
+
+def test_decode_dependent_merge_adds_a_row_per_split_kernel_that_says_how_its_merge_ran(monkeypatch):
+    rows, calls = _run_decode(monkeypatch, 1, extra=("--dependent-merge",))
+    order = ["rows", "rows_unsplit", "rows_split_4", "keys", "keys_unsplit", "keys_split_4", "rows_dependent_merge",
+             "keys_dependent_merge"]
+    assert _runs(calls) == order
+    assert {r["impl"]: r["merge_launch"] for r in rows} == {
+        name: "dependent" if name.endswith("_dependent_merge") else "ordinary" for name in order}
+    assert [r["num_splits"] for r in rows if r["impl"].endswith("_dependent_merge")] == [7, 7, 7, 7]
 
 
 def test_only_the_benchmarks_that_time_in_rounds_take_rounds():

@@ -89,7 +89,8 @@ def _decode_one(args, m: int, rows: list[dict], rng) -> None:
 
         # the split count decode chose (the default comes from the kernel's occupancy on this GPU)
         used = splits or decoding.default_splits_here(q.shape, k.shape, d, kern)
-        extra = {} if kern == "fused" else {"merge_launch": _merge_launch(q, k, v, splits, kern, dependent)}
+        # a dependent launch that cannot be is an error in its row (decode raises), so the row says what ran
+        extra = {} if kern == "fused" else {"merge_launch": "dependent" if dependent else "ordinary"}
         _first_round(args, rows, timed, {**base, "impl": name, "kernel": kern, "num_splits": used, **extra}, fn,
                      "cupy", lambda fn=fn: fn()[0], ref)
     for name, sdpa in _sdpa_calls(q, k, v, H != Hk):
@@ -106,13 +107,6 @@ def _decode_one(args, m: int, rows: list[dict], rng) -> None:
             rows.append({**row, "rounds": rounds} if rounds > 1 else row)
             print(f"  {row['impl']:<16} splits={row.get('num_splits', '-')!s:<5} {protocol:<10} {ms * 1e3:9.1f} us  "
                   f"{row['gbps']:7.0f} GB/s  {row['x_read_once']:.2f}x copy time  max|diff|={err:.1e}", flush=True)
-
-
-def _merge_launch(q, k, v, splits, kern: str, dependent) -> str:
-    """How the merge kernel of this call is launched: "dependent" (programmatic dependent launch) or "ordinary",
-    as the planned step says."""
-    step = decoding._plan_step(q, k, v, False, kern, splits, dependent)
-    return "ordinary" if step.dependent is None else "dependent"
 
 
 def _sdpa_calls(q, k, v, gqa: bool) -> list:
