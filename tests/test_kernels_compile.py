@@ -181,3 +181,25 @@ ptxas info    : Used 255 registers, used 1 barriers, 8 bytes cumulative stack si
     (k,) = fgpu.parse_resource_usage(log)
     got = (k["kernel"], k["registers"], k["spill_store_bytes"], k["spill_load_bytes"])
     assert got == ("attn_fwd_f16_d128", 255, 4, 8)
+
+
+@needs_nvcc
+def test_a_dependent_merge_block_fits_beside_an_sm_s_split_blocks_on_sm_90(usage):
+    """docs/kernels.md (Split-KV decoding): at d = 128 on sm_90, one merge block fits on an SM beside the
+    MMA_BLOCKS_PER_SM split blocks of decode_mma_*, in registers and in shared memory, so that a merge launched as a
+    programmatic dependent can wait there; and the numbers the notes give are the compiler's."""
+    split = usage[(decoding.MMA_FILE, (), 90)]["decode_mma_f16_d128"]
+    merge = usage[(decoding.KERNEL_FILE, (), 90)]["decode_merge_f16_d128"]
+
+    def regs(k, threads):  # registers are allocated per warp, in units of 256
+        return -(-k["registers"] * 32 // 256) * 256 * (threads // 32)
+
+    split_regs, merge_regs = regs(split, decoding.MMA_THREADS), regs(merge, decoding.MERGE_THREADS)
+    assert decoding.MMA_BLOCKS_PER_SM * split_regs + merge_regs <= 65536
+    reserved = 1024  # shared memory the driver reserves per block from sm_80 on
+    sm_shared = 228 * 1024
+    assert (decoding.MMA_BLOCKS_PER_SM * (split["shared_bytes"] + reserved) + merge["shared_bytes"] + reserved
+            <= sm_shared)
+    notes = " ".join((fgpu.KERNEL_DIR.parents[2] / "docs" / "kernels.md").read_text().split())
+    assert (f"a split block takes {split_regs:,} registers and {split['shared_bytes'] // 1024} KB of shared memory "
+            f"and a merge block {merge_regs:,} registers and {merge['shared_bytes']:,} B") in notes
