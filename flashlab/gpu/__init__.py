@@ -358,6 +358,17 @@ def _cupy():
     return cupy
 
 
+def cuda_driver(purpose: str):
+    """NVIDIA's driver binding (``cuda.bindings.driver``), for what CuPy does not wrap; an ImportError that says what
+    needed it (``purpose``) and how to install it where it is missing."""
+    try:
+        from cuda.bindings import driver
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise ImportError(f"{purpose} with NVIDIA's driver binding: pip install cuda-bindings "
+                          "(the major version of your CUDA, e.g. cuda-bindings 13.* for CUDA 13)") from e
+    return driver
+
+
 def _device_id(cp) -> int:
     """The current device's ordinal (0 where the device object has none, as in the host emulation)."""
     return getattr(cp.cuda.Device(), "id", 0)

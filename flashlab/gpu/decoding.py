@@ -50,6 +50,7 @@ from . import (
     _cupy,
     _device_id,
     choose,
+    cuda_driver,
     kernel_function,
     launch_problem,
     sm_count,
@@ -313,8 +314,7 @@ class _DependentMerge:
     def __init__(self, kern, grid: tuple[int, ...], threads: int) -> None:
         import ctypes
 
-        from cuda.bindings import driver as cu
-
+        cu = cuda_driver("the merge kernel's dependent launch (cuLaunchKernelEx) goes")
         self._cu, self._ctypes = cu, ctypes
         self._func = cu.CUfunction(kern.kernel.ptr)
         self._grid, self._threads = (*grid, 1, 1)[:3], threads
@@ -352,10 +352,11 @@ DEPENDENT_MERGE_MIN_CC = 90  # griddepcontrol: programmatic dependent launch, Ho
 def _dependent_merge(merge, grid, asked: bool | None, cc: int):
     """A ``_DependentMerge`` for this step, or None for an ordinary launch: ``asked`` None takes it where it can
     run (sm_90 on, cuda-bindings installed), False never, True or an error saying why not."""
-    if asked is False or merge is None:
+    if asked is False:
         return None
-    why = None
-    if cc < DEPENDENT_MERGE_MIN_CC:
+    if merge is None:
+        why = "kernel='fused' merges inside its own launch; there is no merge kernel to launch"
+    elif cc < DEPENDENT_MERGE_MIN_CC:
         why = f"programmatic dependent launch needs sm_{DEPENDENT_MERGE_MIN_CC} or later; this GPU is sm_{cc}"
     elif not hasattr(merge, "kernel"):  # not a kernel CuPy compiled (the host emulation's): no driver function
         why = "the merge kernel is not a CuPy RawKernel, so it has no driver function to launch"
@@ -363,7 +364,7 @@ def _dependent_merge(merge, grid, asked: bool | None, cc: int):
         try:
             return _DependentMerge(merge, grid, MERGE_THREADS)
         except ImportError as e:
-            why = f"launching with attributes needs cuda-bindings (pip install cuda-bindings): {e}"
+            why = str(e)
     if asked:
         raise ValueError(f"dependent_merge=True: {why}")
     return None
@@ -454,12 +455,10 @@ def _plan_step(q, k_cache, v_cache, bf16: bool, kernel: str, num_splits: int | N
     dims = tuple(np.int32(x) for x in (n, m, H, Hk, split_length(m, num_splits)))
     nodes, counters = merge_tree_sizes(num_splits)
     tree = ((B * H * n, max(nodes, 1), d), (B * H * n, max(nodes, 1)), (B * Hk * chunks * counters,))
-    if dependent_merge and merge is None:
-        raise ValueError("dependent_merge=True: kernel='fused' merges inside its own launch; there is no merge "
-                         "kernel to launch")
-    dependent = _dependent_merge(merge, (B * H * n,), dependent_merge, lim.cc)
+    merge_grid = (B * H * n,)
+    dependent = _dependent_merge(merge, merge_grid, dependent_merge, lim.cc)
     return _Step(dt, split, merge, dependent, grid, SPLIT_THREADS[kernel], dims, np.int32(num_splits),
-                 ((B, H, n, num_splits, d), (B, H, n, num_splits)), (B * H * n,), d, B, m,
+                 ((B, H, n, num_splits, d), (B, H, n, num_splits)), merge_grid, d, B, m,
                  np.float32(check_scale(None, d)), tree, (np.int32(nodes), np.int32(counters)))
 
 

@@ -31,7 +31,7 @@ import tempfile
 
 import numpy as np
 
-from . import HOPPER_SPARSE_FILE, KERNEL_DIR, hopper_files_from, parse_resource_usage
+from . import HOPPER_SPARSE_FILE, KERNEL_DIR, cuda_driver, hopper_files_from, parse_resource_usage
 
 HOPPER_DIR = KERNEL_DIR / "hopper"
 PREFIX = "hopper/"
@@ -347,11 +347,7 @@ def _encode(ptr: int, d: int, rows: int, heads: int, dt: str, box_rows: int, cla
     64 columns by ``box_rows`` rows of one head, written to shared memory in the 128-byte swizzle, rows past the
     end filled with zeros. ``classes`` = r > 1: the same memory as a 4-D map whose boxes hold rows r apart
     (``_layout``)."""
-    try:
-        from cuda.bindings import driver as cu
-    except ImportError as e:  # pragma: no cover - depends on the machine
-        raise ImportError("the TMA rung builds tensor maps with NVIDIA's driver binding: pip install cuda-bindings "
-                          "(the major version of your CUDA, e.g. cuda-bindings 13.* for CUDA 13)") from e
+    cu = cuda_driver("the TMA rung builds tensor maps")
     kind = cu.CUtensorMapDataType
     sizes, strides, box = _layout(d, rows, heads, classes, box_rows)
     # rows r apart: a 256-byte promotion would bring a neighbouring class's row into L2 with each 128-byte row
