@@ -9,7 +9,8 @@ the one place that knows the format:
   so a call's time is its GPU time) or ``"latency"`` (one public call, then synchronize, each call on an idle
   GPU: the time a caller waits, launch overhead included); :data:`MIN_REPEAT` is the fewest timed runs a median
   may come from; :func:`protocol_of` reads a row's protocol (a row recorded before rows named one is
-  throughput); :func:`host_times` measures what a call costs the host;
+  throughput); :func:`host_times` measures what a call costs the host; :class:`Pinned` is a call made inside a
+  setting (PyTorch's choice of SDPA backend) that the timing enters once, as a program sets it once;
 * provenance: :func:`base_provenance` (date, command, Python, NumPy) and :func:`gpu_provenance` (GPU, driver,
   CUDA, CuPy, PyTorch, cuDNN, git commit, hashes of the kernel sources);
 * files: :func:`write_record`, :func:`read_record` (``read_record("benchmarks/ladder")`` is
@@ -63,16 +64,34 @@ def _events(kind: str):
     return cp.cuda.Event, cp.cuda.get_elapsed_time, sync
 
 
+class Pinned:
+    """A call that needs a setting around it, such as ``torch.nn.attention.sdpa_kernel(backend)`` to make SDPA use
+    one backend. Called alone it enters the setting itself; :func:`cuda_times` instead enters it once around all
+    the calls it times, because a program picks its backend once, not per step. Entered per call, the setting's own
+    Python runs before each launch and would count, under the latency protocol, as the backend's time."""
+
+    def __init__(self, setting: Callable[[], object], fn: Callable[[], object]) -> None:
+        self.setting, self.fn = setting, fn
+
+    def __call__(self) -> object:
+        with self.setting():
+            return self.fn()
+
+
 def cuda_times(fn: Callable[[], object], repeat: int, warmup: int, *, kind: str = "cupy",
                protocol: str = "throughput") -> list[float]:
     """Milliseconds of ``repeat`` calls of ``fn`` after ``warmup`` untimed ones, measured with CUDA events.
 
     ``kind``: whose events and stream, ``"cupy"`` or ``"torch"`` (PyTorch's SDPA runs on PyTorch's stream).
     ``protocol``: ``"throughput"`` records the events around each call and launches the next call at once;
-    ``"latency"`` synchronizes after each call, so that every call starts on an idle GPU.
+    ``"latency"`` synchronizes after each call, so that every call starts on an idle GPU. A :class:`Pinned` call
+    is timed inside its setting, entered once.
     """
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {PROTOCOLS}; got {protocol!r}")
+    if isinstance(fn, Pinned):
+        with fn.setting():
+            return cuda_times(fn.fn, repeat, warmup, kind=kind, protocol=protocol)
     make, elapsed, sync = _events(kind)
     for _ in range(warmup):
         fn()

@@ -61,6 +61,27 @@ def test_cuda_times_brackets_each_call_and_synchronizes_per_protocol(fake_cupy, 
         assert timed == ["call", "sync"] * 4 + ["sync"]  # one public call, then synchronize
 
 
+@pytest.mark.parametrize("protocol", records.PROTOCOLS)
+def test_a_pinned_call_is_timed_inside_its_setting_entered_once(fake_cupy, protocol):
+    import contextlib
+
+    @contextlib.contextmanager
+    def backend():
+        fake_cupy.append("enter")
+        yield
+        fake_cupy.append("exit")
+
+    pinned = records.Pinned(backend, lambda: fake_cupy.append("call"))
+    times = records.cuda_times(pinned, repeat=3, warmup=1, protocol=protocol)
+    assert len(times) == 3
+    # entered before the first (warm-up) call and left after the last synchronize, never between calls
+    assert fake_cupy[0] == "enter" and fake_cupy[-1] == "exit"
+    assert fake_cupy.count("enter") == 1 and fake_cupy.count("call") == 4
+    fake_cupy.clear()
+    pinned()  # a call alone, such as the check of its result, enters its setting itself
+    assert fake_cupy == ["enter", "call", "exit"]
+
+
 def test_median_ms_is_the_median_of_the_times(monkeypatch):
     monkeypatch.setattr(records, "cuda_times", lambda fn, repeat, warmup, **kw: [3.0, 1.0, 2.0, 10.0, 4.0])
     assert records.median_ms(lambda: None, 5, 0) == statistics.median([3.0, 1.0, 2.0, 10.0, 4.0]) == 3.0
