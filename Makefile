@@ -121,6 +121,8 @@ bench-decode: setup
 	    --repeat 20 --warmup 3 --rounds 2
 	$(BENCH) decode --name decode_fused --m 131072 --heads 32 --kv-heads 8 --kernels mma fused --repeat 20 --warmup 3 \
 	    --rounds 2
+	$(BENCH) decode --name decode_dependent --m 131072 --heads 32 --kv-heads 8 --kernels mma --splits --dependent-merge \
+	    --repeat 20 --warmup 3 --rounds 2
 
 bench-memory: setup
 	$(BENCH) memory --n 1024 4096 16384 --repeat 20

@@ -551,6 +551,35 @@ def test_chapter_8_fused_decoding_section_holds_to_the_record_and_the_profile():
     assert decoding.KERNELS.index("mma") < decoding.KERNELS.index("fused")
 
 
+def test_chapter_8_dependent_merge_section_and_docs_hold_to_its_record():
+    """The dependent launch of the merge kernel: the measured cell prints the record's steps, and the reading ("less
+    than a microsecond", "about 1 % behind" cuDNN under both protocols, SDPA's own choice and the cuDNN backend
+    alike once the backend is picked outside the timed calls) and docs/kernels.md's numbers are the record's."""
+    rec = records.read_record("ch8/decode_dependent")
+    us = {(r["impl"], records.protocol_of(r)): r["median_ms"] * 1e3 for r in rec["rows"] if "error" not in r}
+    rows = [r for r in rec["rows"] if r.get("impl", "").startswith("mma")]
+    assert {r["merge_launch"] for r in rows if r["impl"] == "mma_dependent_merge"} == {"dependent"}
+    assert {r["merge_launch"] for r in rows if r["impl"] == "mma"} == {"ordinary"}
+    ns: dict = {}
+    run_cells(CH8, ["dc4264cb"], ns)
+    printed = run_cells(CH8, ["decode-dependent-measured"], ns)
+    assert rec["provenance"]["gpu"] in printed and rec["provenance"]["command"] in printed
+    reading = text(cell_by_id(CH8, "decode-dependent-reading"))
+    docs = " ".join((ROOT / "docs" / "kernels.md").read_text().split())
+    for p in records.PROTOCOLS:
+        plain, dep, cudnn, own = (us[i, p] for i in ("mma", "mma_dependent_merge", "sdpa_cudnn", "sdpa"))
+        assert abs(dep - plain) < 1.0  # "by less than a microsecond under either protocol"
+        assert 0.98 < cudnn / plain < 1.0  # "about 1 % behind under both protocols"
+        assert abs(own / cudnn - 1) < 0.005  # pinned: SDPA's own choice and the cuDNN backend take the same time
+        assert f"{dep - plain:+.2f} us" in printed and f"{cudnn / plain:.3f}x cuDNN's speed" in printed
+        assert f"{cudnn:.1f}" in docs and f"{plain:.1f}" in docs
+    assert "less than a microsecond" in reading and "about 1 % behind under both protocols" in reading
+    thr, lat = (us["sdpa_cudnn", p] / us["mma", p] for p in records.PROTOCOLS)
+    assert f"`mma` runs at {thr:.3f}× its speed back to back and {lat:.3f}× under latency" in docs
+    assert f"there `mma` runs at {lat:.3f}× cuDNN's speed under latency" in docs
+    assert rec["provenance"]["command"].replace("python -m flashlab ", "") in docs.replace("python -m flashlab ", "")
+
+
 # --- every timed table states its protocol and units -------------------------------------------------------------
 
 RECORD_READ = re.compile(r"""(?:read_record|recorded)\(\s*["']([\w/]+)["']""")
