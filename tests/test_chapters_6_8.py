@@ -578,6 +578,13 @@ def test_chapter_8_dependent_merge_section_and_docs_hold_to_its_record():
     assert f"`mma` runs at {thr:.3f}× its speed back to back and {lat:.3f}× under latency" in docs
     assert f"there `mma` runs at {lat:.3f}× cuDNN's speed under latency" in docs
     assert rec["provenance"]["command"].replace("python -m flashlab ", "") in docs.replace("python -m flashlab ", "")
+    # the protocols paragraph: the older record's cuDNN latency row against SDPA's own choice of cuDNN
+    gqa = {(r["impl"], records.protocol_of(r)): r["median_ms"] for r in records.read_record("ch8/decode_gqa")["rows"]
+           if "error" not in r}
+    longer = round(100 * (gqa["sdpa_cudnn", "latency"] / gqa["sdpa", "latency"] - 1))
+    assert f"a call of the cuDNN backend took {longer} % longer under latency than one of SDPA's own choice" in docs
+    assert abs(gqa["sdpa_cudnn", "throughput"] / gqa["sdpa", "throughput"] - 1) < 0.01  # "within 1 %"
+    assert f"a cuDNN call takes {longer} % longer under latency" in docs
 
 
 # --- every timed table states its protocol and units -------------------------------------------------------------
