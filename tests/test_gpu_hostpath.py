@@ -288,6 +288,33 @@ def test_decode_plans_a_signature_once_and_still_checks_each_call(stand_in, monk
 
 
 
+def test_a_planned_decode_step_queues_the_split_first_and_still_refuses_a_wrong_out(stand_in):
+    """On a planned step the split kernel, which writes the partials only, is launched before the outputs are checked
+    (that Python then overlaps the GPU's work); a wrong ``out=`` is still refused before the merge writes to it, and a
+    misaligned input before anything is launched."""
+    cp, counts = stand_in.cp, stand_in.counts
+    q = _half(cp, 1, 32, 1, 128)
+    kc, vc = _half(cp, 1, 8, 1000, 128), _half(cp, 1, 8, 1000, 128)
+    ws = fgpu.Workspace()
+    out = (_half(cp, 1, 32, 1, 128), hostemu._wrap(np.zeros((1, 32, 1), np.float32)))
+    fgpu.decode(q, kc, vc, out=out, workspace=ws)  # plans the step
+    o_before, lse_before = np.array(out[0]), np.array(out[1])
+    launched = len(counts.launches)
+    wrong = (out[0], hostemu._wrap(np.zeros((1, 32, 2), np.float32)))
+    with pytest.raises(ValueError, match=r"out\[1\] must be a C-contiguous CuPy array of shape \(1, 32, 1\)"):
+        fgpu.decode(q, kc, vc, out=wrong, workspace=ws)
+    assert [name for name, _ in counts.launches[launched:]] == ["decode_mma_f16_d128"]  # no merge: nothing written
+    assert np.array_equal(np.array(out[0]), o_before) and np.array_equal(np.array(out[1]), lse_before)
+    launched = len(counts.launches)
+    raw = np.empty(1 * 8 * 1000 * 128 + 1, np.float16)
+    shifted = hostemu._wrap(raw[1:].reshape(1, 8, 1000, 128))  # 2 bytes past a 16-byte boundary
+    shifted[...] = kc
+    assert shifted.data.ptr % 16 == 2
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        fgpu.decode(q, shifted, vc, out=out, workspace=ws)
+    assert len(counts.launches) == launched
+
+
 def test_kernels_are_cached_per_device(stand_in, monkeypatch):
     cp, counts = stand_in.cp, stand_in.counts
     q, k, v = (_half(cp, 1, 1, 16, 64) for _ in range(3))

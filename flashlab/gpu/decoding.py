@@ -462,6 +462,19 @@ def _plan_step(q, k_cache, v_cache, bf16: bool, kernel: str, num_splits: int | N
                  np.float32(check_scale(None, d)), tree, (np.int32(nodes), np.int32(counters)))
 
 
+def _outputs(cp, q, out, fused: bool):
+    """(o, lse) of a decoding step: new arrays, or ``out`` checked to be what the step would have made."""
+    if out is None:
+        return cp.empty_like(q), cp.empty(q.shape[:-1], dtype=cp.float32)
+    o, lse = out
+    _check_out("out[0]", o, q.shape, q.dtype)
+    _check_out("out[1]", lse, q.shape[:-1], cp.float32)
+    if fused and o.data.ptr % 16:  # "fused": its root block stores o 8 or 4 bytes at a time
+        raise ValueError("out[0] must start on a 16-byte boundary for kernel='fused' (it stores several elements "
+                         "at a time); a fresh CuPy array does")
+    return o, lse
+
+
 def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Sequence[int] | None = None,
            causal: bool = False, scale: float | None = None, bf16: bool = False, return_partials: bool = False,
            kernel: str = "best", out: tuple[Any, Any] | None = None, workspace: Workspace | None = None,
@@ -514,10 +527,12 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
             if len(steps) >= _STEPS_KEPT:
                 steps.pop(next(iter(steps)))
             steps[key] = step
-    else:  # what the signature does not fix: the arrays' layout and alignment
-        arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
-        _check_contiguous(arrays)
-        _check_half_launch("decode", step.dt, arrays)
+    else:  # what the signature does not fix: the arrays' layout and alignment, in one pass (the checks' messages)
+        for x in (q, k_cache, v_cache):
+            if x.data.ptr % 16 or not x.flags.c_contiguous:
+                arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+                _check_contiguous(arrays)
+                _check_half_launch("decode", step.dt, arrays)
     scale = step.scale if scale is None else np.float32(check_scale(scale, step.d))
     lens = NULL_POINTER if lengths is None else _lengths_array(lengths, step.batch, step.m)
     if workspace is None:
@@ -526,19 +541,10 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     else:
         o_parts = workspace.get("decode_o_parts", step.parts[0], cp.float32)
         lse_parts = workspace.get("decode_lse_parts", step.parts[1], cp.float32)
-    if out is None:
-        o = cp.empty_like(q)
-        lse = cp.empty(q.shape[:-1], dtype=cp.float32)
-    else:
-        o, lse = out
-        _check_out("out[0]", o, q.shape, q.dtype)
-        _check_out("out[1]", lse, q.shape[:-1], cp.float32)
-        if step.merge is None and o.data.ptr % 16:  # "fused": its root block stores o 8 or 4 bytes at a time
-            raise ValueError("out[0] must start on a 16-byte boundary for kernel='fused' (it stores several elements "
-                             "at a time); a fresh CuPy array does")
     # (n, d) inputs are passed as they are: a (1, 1, n, d) view would be the same pointer
     args = (q, k_cache, v_cache, lens, o_parts, lse_parts, *step.dims, scale, _CAUSAL[bool(causal)])
     if step.merge is None:  # "fused": the tree's nodes and its counters, which every call leaves at zero
+        o, lse = _outputs(cp, q, out, fused=True)
         if workspace is None:
             tree_o, tree_l = cp.empty(step.tree[0], cp.float32), cp.empty(step.tree[1], cp.float32)
             counts = cp.zeros(step.tree[2], cp.int32)
@@ -548,7 +554,11 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
             counts = workspace.get("decode_counters", step.tree[2], cp.int32, zero=True)
         step.split(step.grid, (step.threads,), (*args, tree_o, tree_l, counts, o, lse, *step.tree_dims))
     else:
+        # The split kernel writes the partials only, so it is queued before the outputs are checked or made: that
+        # Python then runs while the GPU already reads the cache, instead of before (a wrong out= is still refused
+        # before anything writes to it; the partials it leaves are scratch).
         step.split(step.grid, (step.threads,), args)
+        o, lse = _outputs(cp, q, out, fused=False)
         if step.dependent is None:
             step.merge(step.merge_grid, (MERGE_THREADS,), (o_parts, lse_parts, o, lse, step.num_splits))
         else:
