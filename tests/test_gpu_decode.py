@@ -450,14 +450,14 @@ def test_default_lengths_out_and_workspace_give_the_same_result(rng, kernel):
 # ------------------------------------------------------------------------- the merge as a dependent launch
 def test_dependent_merge_is_taken_where_it_can_run_and_refused_with_the_reason():
     merge = object()  # no .kernel: not compiled by CuPy, so nothing to launch through the driver
-    assert decoding._dependent_merge(merge, (4,), None, 80) is None
-    assert decoding._dependent_merge(merge, (4,), False, 90) is None
-    assert decoding._dependent_merge(None, (4,), None, 90) is None  # "fused": no merge kernel
-    assert decoding._dependent_merge(merge, (4,), None, 90) is None
+    assert decoding._merge_launch(merge, (4,), None, 80) is None
+    assert decoding._merge_launch(merge, (4,), False, 90) is None
+    assert decoding._merge_launch(None, (4,), None, 90) is None  # "fused": no merge kernel
+    assert decoding._merge_launch(merge, (4,), None, 90) is None
     with pytest.raises(ValueError, match="sm_90 or later; this GPU is sm_80"):
-        decoding._dependent_merge(merge, (4,), True, 80)
+        decoding._merge_launch(merge, (4,), True, 80)
     with pytest.raises(ValueError, match="not a CuPy RawKernel"):
-        decoding._dependent_merge(merge, (4,), True, 90)
+        decoding._merge_launch(merge, (4,), True, 90)
 
 
 @pytest.mark.gpu
@@ -492,8 +492,8 @@ def test_a_dependent_merge_gives_the_ordinary_launch_s_bits_back_to_back_on_any_
         for i, (o, lse) in enumerate(outs):
             np.testing.assert_array_equal(o.get(), want[i % 3][0].get(), err_msg=f"step {i}")
             np.testing.assert_array_equal(lse.get(), want[i % 3][1].get(), err_msg=f"step {i}")
-    key = next(k for k in decoding._steps() if k[7] == kernel and k[9] is True)
-    assert isinstance(decoding._steps()[key].dependent, decoding._DependentMerge)
+    key = next(k for k in decoding._steps() if k[10] == kernel and k[12] is True)
+    assert decoding._steps()[key].merge_launch.dependent is True
 
 
 @pytest.mark.gpu
@@ -507,3 +507,54 @@ def test_dependent_merge_bad_values_get_clear_errors():
         fgpu.decode(x, x, x, dependent_merge="yes")
     with pytest.raises(ValueError, match="kernel='fused' merges inside its own launch"):
         fgpu.decode(x, x, x, kernel="fused", dependent_merge=True)
+
+
+# ------------------------------------------------------------------------- launches through the driver
+@pytest.mark.gpu
+def test_steps_launched_through_the_driver_give_cupys_bits_from_threads_on_their_own_streams(rng, monkeypatch):
+    """Where cuda-bindings is installed, a step launches its kernels through the driver from per-thread argument
+    blocks. Steps of several signatures (default and given scale, causal, lengths), run by four threads at once,
+    each on a stream of its own, give the bits of the same steps launched by CuPy."""
+    import threading
+
+    import cupy as cp
+
+    import flashlab.gpu as fgpu
+
+    pytest.importorskip("cuda.bindings")
+    cases = []
+    for H, Hk, n, m, d in ((32, 8, 1, 20000, 128), (8, 8, 3, 5000, 64)):
+        arrays = tuple(cp.asarray(rng.standard_normal(s).astype(np.float16))
+                       for s in ((2, H, n, d), (2, Hk, m, d), (2, Hk, m, d)))
+        for kw in ({}, {"scale": 0.3, "causal": True}, {"lengths": [m // 3, m]}):
+            cases.append((arrays, kw))
+    fgpu._FUNCTIONS.pop("decode steps", None)
+    with monkeypatch.context() as m:
+        m.setattr(decoding, "cuda_driver", lambda purpose: (_ for _ in ()).throw(ImportError(purpose)))
+        want = [fgpu.decode(*a, kernel="mma", **kw) for a, kw in cases]
+        assert all(s.split_launch is None for s in decoding._steps().values())
+    fgpu._FUNCTIONS.pop("decode steps", None)
+    got: dict[int, list] = {}
+
+    def worker(t: int) -> None:
+        with cp.cuda.Stream(non_blocking=True) as stream:
+            ws = fgpu.Workspace()
+            outs = []
+            for _ in range(5):
+                for a, kw in cases:
+                    out = (cp.empty_like(a[0]), cp.empty(a[0].shape[:-1], dtype=cp.float32))
+                    outs.append(fgpu.decode(*a, kernel="mma", out=out, workspace=ws, **kw))
+            stream.synchronize()
+        got[t] = outs
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(s.split_launch is not None and s.merge_launch is not None for s in decoding._steps().values())
+    assert sorted(got) == [0, 1, 2, 3]
+    for t, outs in got.items():
+        for i, (o, lse) in enumerate(outs):
+            np.testing.assert_array_equal(o.get(), want[i % len(cases)][0].get(), err_msg=f"thread {t} step {i}")
+            np.testing.assert_array_equal(lse.get(), want[i % len(cases)][1].get(), err_msg=f"thread {t} step {i}")

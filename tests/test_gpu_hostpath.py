@@ -274,17 +274,19 @@ def test_decode_plans_a_signature_once_and_still_checks_each_call(stand_in, monk
         fgpu.decode(q, kc, vc)
     assert len(planned) == 1
     assert [name for name, _ in counts.launches] == ["decode_mma_f16_d128", "decode_merge_f16_d128"] * 3
-    strided = hostemu._wrap(np.asarray(kc)[:, :, ::2].copy())
+    # Same shape, other strides: another signature, so the call is planned, and the plan's checks refuse it.
     with pytest.raises(ValueError, match="C-contiguous"):
         fgpu.decode(q, kc, hostemu._wrap(np.asfortranarray(np.asarray(vc))))
+    assert len(planned) == 2 and len(fgpu._FUNCTIONS["decode steps"]) == 1  # nothing kept for it
+    strided = hostemu._wrap(np.asarray(kc)[:, :, ::2].copy())
     fgpu.decode(q, strided, strided)  # another signature: planned afresh
-    assert len(planned) == 2
+    assert len(planned) == 3
     # a cache that grows every step is a new signature every step: the oldest plans are dropped
     monkeypatch.setattr(decoding, "_STEPS_KEPT", 2)
     fgpu.decode(q, kc[:, :, :999].copy(), vc[:, :, :999].copy())
-    assert len(fgpu._FUNCTIONS["decode steps"]) == 2 and len(planned) == 3
+    assert len(fgpu._FUNCTIONS["decode steps"]) == 2 and len(planned) == 4
     fgpu.decode(q, kc, vc)  # the first signature was dropped: planned again
-    assert len(planned) == 4
+    assert len(planned) == 5
 
 
 
@@ -313,6 +315,89 @@ def test_a_planned_decode_step_queues_the_split_first_and_still_refuses_a_wrong_
     with pytest.raises(ValueError, match="16-byte boundary"):
         fgpu.decode(q, shifted, vc, out=out, workspace=ws)
     assert len(counts.launches) == launched
+
+
+def _fake_driver(launched: list):
+    """A stand-in for ``cuda.bindings.driver`` that reads each launch's argument block as the driver would: the
+    array of pointers at ``params``, each to an 8-byte slot (a function's handle is (its name, its slot count))."""
+    import ctypes
+
+    class Driver:
+        class CUresult:
+            CUDA_SUCCESS = 0
+
+        CUfunction = staticmethod(lambda handle: handle)
+        CUstream = staticmethod(lambda ptr: ("stream", ptr))
+
+        @staticmethod
+        def cuLaunchKernel(func, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+            name, count = func
+            pointers = (ctypes.c_void_p * count).from_address(params)
+            values = [ctypes.c_uint64.from_address(p).value for p in pointers]
+            launched.append((name, (gx, gy, gz), bx, stream, params, values))
+            return (Driver.failure,)
+
+        failure = 0
+
+    return Driver
+
+
+def test_a_planned_decode_step_through_the_driver_passes_cupys_arguments_slot_for_slot(stand_in, monkeypatch):
+    """With cuda-bindings installed a decoding step launches both kernels through the driver from argument blocks
+    kept between calls. Every slot must hold what CuPy's launch passes (the arrays' addresses, the int32 sizes, the
+    float32 scale's bits, the causal flag), rewritten on each call, with one block per thread."""
+    import threading
+
+    cp, counts = stand_in.cp, stand_in.counts
+    q = _half(cp, 1, 32, 1, 128)
+    kc, vc = _half(cp, 1, 8, 1000, 128), _half(cp, 1, 8, 1000, 128)
+    out = (_half(cp, 1, 32, 1, 128), hostemu._wrap(np.zeros((1, 32, 1), np.float32)))
+    ws = fgpu.Workspace()
+    calls = [{}, {"scale": 0.5, "causal": True, "lengths": [700]}, {}]  # the last must not keep the second's
+    # CuPy's launches first: no driver binding, so each step launches through the kernel objects
+    monkeypatch.setattr(decoding, "cuda_driver", lambda purpose: (_ for _ in ()).throw(ImportError(purpose)))
+    for kw in calls:
+        fgpu.decode(q, kc, vc, out=out, workspace=ws, num_splits=7, **kw)
+    by_cupy = [(name, [decoding.slot_value(a) for a in args]) for name, args in counts.launches]
+    assert len(by_cupy) == 6 and by_cupy[2][1][3] != 0  # the given lengths: a device array's address
+
+    fgpu._FUNCTIONS.clear()  # plan again, with the driver
+    real_get = type(cp.RawModule("")).get_function
+
+    def get_function(self, name):
+        kern = real_get(self, name)
+        kern.kernel = types.SimpleNamespace(ptr=(name, 13 if "mma" in name else 5))
+        return kern
+
+    monkeypatch.setattr(cp.RawModule, "get_function", get_function)
+    launched: list = []
+    driver = _fake_driver(launched)
+    monkeypatch.setattr(decoding, "cuda_driver", lambda purpose: driver)
+    launches_before = len(counts.launches)
+    for kw in calls:
+        fgpu.decode(q, kc, vc, out=out, workspace=ws, num_splits=7, **kw)
+    assert len(counts.launches) == launches_before  # nothing went through CuPy's launch
+    step = next(iter(decoding._steps().values()))
+    assert [(name, grid, threads, stream) for name, grid, threads, stream, _, _ in launched[:2]] == [
+        ("decode_mma_f16_d128", step.grid, step.threads, ("stream", 0)),
+        ("decode_merge_f16_d128", (*step.merge_grid, 1, 1), decoding.MERGE_THREADS, ("stream", 0))]
+    for i, ((name, values), got) in enumerate(zip(by_cupy, launched, strict=True)):
+        if i == 2:  # lengths: a new device array on each call, so its address is the one thing that may differ
+            assert got[5][3] != 0 and got[5][:3] + got[5][4:] == values[:3] + values[4:]
+            continue
+        assert (got[0], got[5]) == (name, values), f"launch {i}"
+    assert launched[0][5][11] == np.float32(128 ** -0.5).view(np.uint32) and launched[2][5][11] == np.float32(
+        0.5).view(np.uint32) and launched[2][5][12] == 1
+
+    other: list = []
+    thread = threading.Thread(target=lambda: other.append(fgpu.decode(q, kc, vc, out=out, workspace=ws, num_splits=7)))
+    thread.start()
+    thread.join()
+    assert other and launched[-2][5] == launched[0][5] and launched[-2][4] != launched[0][4]  # its own block
+
+    driver.failure = 700  # what the driver returns is checked
+    with pytest.raises(RuntimeError, match="through the driver failed: 700"):
+        fgpu.decode(q, kc, vc, out=out, workspace=ws, num_splits=7)
 
 
 def test_kernels_are_cached_per_device(stand_in, monkeypatch):

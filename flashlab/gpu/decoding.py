@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import math
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,7 +44,6 @@ from . import (
     DeviceLimits,
     Plan,
     Workspace,
-    _check_contiguous,
     _check_half_launch,
     _check_inputs,
     _check_out,
@@ -297,33 +297,60 @@ def _kernels(dt: str, d: int, kernel: str, rows: int):
 NULL_POINTER = np.int64(0)
 
 
-class _DependentMerge:
-    """The merge kernel launched as a programmatic dependent of the split kernel (sm_90 and later).
+class _DriverLaunch:
+    """A kernel CuPy compiled, launched through the driver (cuda-bindings' ``cuLaunchKernel``, or ``cuLaunchKernelEx``
+    for a dependent launch) from an argument block kept from call to call.
 
-    An ordinary launch of the merge starts its blocks after the split grid has ended: the GPU then spends the
-    launch and the blocks' start-up with the SMs idle. Launched with the attribute
-    ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``, the merge grid may be scheduled as soon as every split
-    block has executed ``griddepcontrol.launch_dependents`` (``decode_mma_*`` does so first; the other split kernels
-    at their end), and each merge block waits in ``griddepcontrol.wait`` until the split grid has ended and its
-    partials are in memory. CuPy's ``RawKernel`` cannot set launch attributes, so this launches CuPy's compiled
-    function through the driver's ``cuLaunchKernelEx`` (cuda-bindings, as the TMA kernels use for their tensor maps),
-    on CuPy's current stream. One object per planned step; each call builds its own argument block, so that threads
-    sharing a step do not share one.
+    CuPy's ``RawKernel.__call__`` wraps each argument in an object and packs a new block on every launch. A decoding
+    step's split kernel takes 13 arguments, and under the latency protocol (one call, then synchronize) that packing
+    runs while the GPU waits for the step's first kernel (data/benchmarks/host_decode.json times a step before and
+    after; docs/kernels.md, "What a call costs the host"). Here each argument has an 8-byte slot of a ctypes array
+    and holds its value in the slot's low bytes (the driver copies as many bytes as the kernel's parameter has: 8 for
+    a pointer, 4 for an int or a float, and x86 and Arm hosts are little-endian); a call rewrites the slots that
+    change and launches. Every thread has its own block: a launch copies the arguments before it returns, so a
+    thread may reuse its block at once, but two threads must not fill one.
+
+    ``dependent=True``: the merge kernel launched as a programmatic dependent of the split kernel (sm_90 and later),
+    with the attribute ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``: the merge grid may be scheduled as
+    soon as every split block has executed ``griddepcontrol.launch_dependents`` (``decode_mma_*`` does so first; the
+    other split kernels at their end), and each merge block waits in ``griddepcontrol.wait`` until the split grid
+    has ended and its partials are in memory. An ordinary launch starts the merge's blocks after the split grid has
+    ended, with the SMs idle meanwhile. CuPy's ``RawKernel`` cannot set launch attributes.
     """
 
-    def __init__(self, kern, grid: tuple[int, ...], threads: int) -> None:
+    def __init__(self, kern, grid: tuple[int, ...], threads: int, count: int, fixed: dict[int, int] | None = None,
+                 dependent: bool = False) -> None:
         import ctypes
 
-        cu = cuda_driver("the merge kernel's dependent launch (cuLaunchKernelEx) goes")
+        what = "the merge kernel's dependent launch (cuLaunchKernelEx) goes" if dependent else "a direct launch goes"
+        cu = cuda_driver(what)
         self._cu, self._ctypes = cu, ctypes
         self._func = cu.CUfunction(kern.kernel.ptr)
         self._grid, self._threads = (*grid, 1, 1)[:3], threads
-        self._configs: dict[int, Any] = {}  # CuPy stream pointer -> its launch configuration
-        self._slots = ctypes.c_uint64 * 5  # o_parts, lse_parts, o, lse, num_splits (an int in the low bytes)
-        self._params = ctypes.c_void_p * 5
+        self._count, self._fixed = count, dict(fixed or {})
+        self.dependent = dependent
+        self._handles: dict[int, Any] = {}  # CuPy stream pointer -> its CUstream, or its launch configuration
+        self._local = threading.local()
+        self._ok = cu.CUresult.CUDA_SUCCESS
 
-    def _config(self, stream: int):
+    def block(self):
+        """This thread's argument block: (its slots, the address of its array of pointers to them), the fixed slots
+        filled."""
+        got = getattr(self._local, "block", None)
+        if got is None:
+            ct = self._ctypes
+            slots = (ct.c_uint64 * self._count)()
+            for i, value in self._fixed.items():
+                slots[i] = value
+            at = ct.addressof(slots)
+            params = (ct.c_void_p * self._count)(*(at + 8 * i for i in range(self._count)))
+            got = self._local.block = (slots, ct.addressof(params), params)  # params kept alive with the block
+        return got[0], got[1]
+
+    def _handle(self, stream: int):
         cu = self._cu
+        if not self.dependent:
+            return self._handles.setdefault(stream, cu.CUstream(stream))
         cfg = cu.CUlaunchConfig()
         cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = self._grid
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self._threads, 1, 1
@@ -334,26 +361,52 @@ class _DependentMerge:
         attr.value.programmaticStreamSerializationAllowed = 1
         cfg.attrs = [attr]
         cfg.numAttrs = 1
-        return self._configs.setdefault(stream, cfg)
+        return self._handles.setdefault(stream, cfg)
 
-    def __call__(self, o_parts, lse_parts, o, lse, num_splits, stream: int) -> None:
-        cfg = self._configs.get(stream) or self._config(stream)
-        slots = self._slots(o_parts.data.ptr, lse_parts.data.ptr, o.data.ptr, lse.data.ptr, int(num_splits))
-        at = self._ctypes.addressof(slots)
-        params = self._params(at, at + 8, at + 16, at + 24, at + 32)
-        err, = self._cu.cuLaunchKernelEx(cfg, self._func, self._ctypes.addressof(params), 0)
-        if err != self._cu.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"launching the merge kernel (cuLaunchKernelEx) failed: {err!r}")
+    def launch(self, address: int, stream: int) -> None:
+        """Launch on CuPy's stream ``stream`` (a pointer) with the block at ``address`` (from ``block``)."""
+        handle = self._handles.get(stream) or self._handle(stream)
+        cu = self._cu
+        if self.dependent:
+            err, = cu.cuLaunchKernelEx(handle, self._func, address, 0)
+        else:
+            err, = cu.cuLaunchKernel(self._func, *self._grid, self._threads, 1, 1, 0, handle, address, 0)
+        if err != self._ok:
+            raise RuntimeError(f"launching a decoding kernel through the driver failed: {err!r}")
+
+
+def slot_value(x) -> int:
+    """A kernel argument as its slot of a ``_DriverLaunch`` block holds it: an array's device address, a float32's
+    bits, an integer's value (two's complement in 8 bytes, of which the kernel reads its parameter's width)."""
+    if isinstance(x, np.floating):
+        return int(np.float32(x).view(np.uint32))
+    if isinstance(x, (int, np.integer)):
+        return int(x) & 0xFFFF_FFFF_FFFF_FFFF
+    return int(x.data.ptr)
+
+
+def _driver_launch(kern, grid, threads: int, count: int, fixed: dict[int, int] | None = None):
+    """A ``_DriverLaunch`` of ``kern``, or None where CuPy launches it instead: a kernel that CuPy did not compile (the
+    host emulation's) or no cuda-bindings installed (a plain CuPy install: correct, a few microseconds slower)."""
+    if getattr(getattr(kern, "kernel", None), "ptr", None) is None:
+        return None
+    try:
+        return _DriverLaunch(kern, grid, threads, count, fixed)
+    except ImportError:
+        return None
 
 
 DEPENDENT_MERGE_MIN_CC = 90  # griddepcontrol: programmatic dependent launch, Hopper on
+MERGE_ARGS = 5  # o_parts, lse_parts, o, lse, num_splits
+SPLIT_ARGS = 13  # q, k, v, lengths, o_parts, lse_parts, n, m, H, Hk, split length, scale, causal
 
 
-def _dependent_merge(merge, grid, asked: bool | None, cc: int):
-    """A ``_DependentMerge`` for this step, or None for an ordinary launch: ``asked`` None takes it where it can
-    run (sm_90 on, cuda-bindings installed), False never, True or an error saying why not."""
+def _merge_launch(merge, grid, asked: bool | None, cc: int):
+    """How this step launches its merge kernel: a ``_DriverLaunch`` (dependent or not), or None for CuPy's launch.
+    ``asked`` None takes the dependent launch where it can run (sm_90 on, cuda-bindings installed), False never,
+    True or an error saying why not."""
     if asked is False:
-        return None
+        return None if merge is None else _driver_launch(merge, grid, MERGE_THREADS, MERGE_ARGS)
     if merge is None:
         why = "kernel='fused' merges inside its own launch; there is no merge kernel to launch"
     elif cc < DEPENDENT_MERGE_MIN_CC:
@@ -362,12 +415,12 @@ def _dependent_merge(merge, grid, asked: bool | None, cc: int):
         why = "the merge kernel is not a CuPy RawKernel, so it has no driver function to launch"
     else:
         try:
-            return _DependentMerge(merge, grid, MERGE_THREADS)
+            return _DriverLaunch(merge, grid, MERGE_THREADS, MERGE_ARGS, dependent=True)
         except ImportError as e:
             why = str(e)
     if asked:
         raise ValueError(f"dependent_merge=True: {why}")
-    return None
+    return None if merge is None else _driver_launch(merge, grid, MERGE_THREADS, MERGE_ARGS)
 
 
 def _lengths_array(lengths, B: int, m: int):
@@ -393,7 +446,8 @@ class _Step:
     dt: str  # "f16" or "bf16"
     split: Any  # the split kernel, compiled and loaded
     merge: Any  # the merge kernel; None for "fused"
-    dependent: Any  # the merge kernel as a programmatic dependent launch (``_DependentMerge``), or None
+    split_launch: Any  # the split kernel through the driver (``_DriverLaunch``), or None: CuPy launches it
+    merge_launch: Any  # the merge kernel through the driver, dependent or not (``_merge_launch``), or None
     grid: tuple[int, int, int]
     threads: int
     dims: tuple  # n, m, H, Hk and the split length as np.int32: the split kernel's arguments after the arrays
@@ -404,8 +458,36 @@ class _Step:
     batch: int
     m: int
     scale: Any  # the default scale 1 / sqrt(d), as np.float32
+    scale_slot: int  # its bits, as the split kernel's argument block holds them
     tree: tuple[tuple[int, ...], tuple[int, ...], tuple[int]]  # "fused": shapes of tree_o, tree_l and the counters
     tree_dims: tuple  # "fused": nodes and counters per row and group (``merge_tree_sizes``), as np.int32
+
+    def launch_split(self, cp, q, k_cache, v_cache, lens, o_parts, lse_parts, scale, causal: bool) -> None:
+        """The split kernel on CuPy's current stream; ``scale`` None is the default (``check_scale``'d otherwise),
+        ``lens`` a device array or ``NULL_POINTER``."""
+        launch = self.split_launch
+        if launch is None:
+            scale = self.scale if scale is None else np.float32(check_scale(scale, self.d))
+            self.split(self.grid, (self.threads,), (q, k_cache, v_cache, lens, o_parts, lse_parts, *self.dims, scale,
+                                                    _CAUSAL[bool(causal)]))
+            return
+        slots, address = launch.block()  # slots 6-10 (dims) were filled when the block was made
+        slots[11] = self.scale_slot if scale is None else slot_value(np.float32(check_scale(scale, self.d)))
+        slots[0], slots[1], slots[2] = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr
+        slots[3] = 0 if lens is NULL_POINTER else lens.data.ptr
+        slots[4], slots[5], slots[12] = o_parts.data.ptr, lse_parts.data.ptr, 1 if causal else 0
+        launch.launch(address, cp.cuda.get_current_stream().ptr)
+
+    def launch_merge(self, cp, o_parts, lse_parts, o, lse) -> None:
+        """The merge kernel on CuPy's current stream, after the split kernel."""
+        launch = self.merge_launch
+        if launch is None:
+            self.merge(self.merge_grid, (MERGE_THREADS,), (o_parts, lse_parts, o, lse, self.num_splits))
+            return
+        slots, address = launch.block()
+        slots[0], slots[1], slots[2], slots[3] = o_parts.data.ptr, lse_parts.data.ptr, o.data.ptr, lse.data.ptr
+        slots[4] = int(self.num_splits)
+        launch.launch(address, cp.cuda.get_current_stream().ptr)
 
 
 _CAUSAL = (np.int32(0), np.int32(1))
@@ -456,10 +538,13 @@ def _plan_step(q, k_cache, v_cache, bf16: bool, kernel: str, num_splits: int | N
     nodes, counters = merge_tree_sizes(num_splits)
     tree = ((B * H * n, max(nodes, 1), d), (B * H * n, max(nodes, 1)), (B * Hk * chunks * counters,))
     merge_grid = (B * H * n,)
-    dependent = _dependent_merge(merge, merge_grid, dependent_merge, lim.cc)
-    return _Step(dt, split, merge, dependent, grid, SPLIT_THREADS[kernel], dims, np.int32(num_splits),
-                 ((B, H, n, num_splits, d), (B, H, n, num_splits)), merge_grid, d, B, m,
-                 np.float32(check_scale(None, d)), tree, (np.int32(nodes), np.int32(counters)))
+    merge_launch = _merge_launch(merge, merge_grid, dependent_merge, lim.cc)
+    split_launch = None if merge is None else _driver_launch(  # "fused" (20 arguments) keeps CuPy's launch
+        split, grid, SPLIT_THREADS[kernel], SPLIT_ARGS, {6 + i: slot_value(x) for i, x in enumerate(dims)})
+    scale = np.float32(check_scale(None, d))
+    return _Step(dt, split, merge, split_launch, merge_launch, grid, SPLIT_THREADS[kernel], dims,
+                 np.int32(num_splits), ((B, H, n, num_splits, d), (B, H, n, num_splits)), merge_grid, d, B, m,
+                 scale, slot_value(scale), tree, (np.int32(nodes), np.int32(counters)))
 
 
 def _outputs(cp, q, out, fused: bool):
@@ -502,7 +587,7 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     step allocates nothing and launches two kernels ("fused": one).
 
     ``dependent_merge``: launch the merge kernel as a programmatic dependent of the split kernel, so that its launch
-    and its blocks' start-up overlap the split work (``_DependentMerge``). False (the default): an ordinary launch;
+    and its blocks' start-up overlap the split work (``_DriverLaunch``). False (the default): an ordinary launch;
     True: a dependent launch, or a ValueError saying why it cannot be; None: a dependent launch where the GPU can
     (sm_90 on, with cuda-bindings installed), else an ordinary one.
     """
@@ -517,8 +602,10 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
         raise TypeError(f"dependent_merge must be True, False or None; got {dependent_merge!r}")
     step = key = None
     if isinstance(q, cp.ndarray) and isinstance(k_cache, cp.ndarray) and isinstance(v_cache, cp.ndarray):
-        key = (q.shape, k_cache.shape, v_cache.shape, q.dtype, k_cache.dtype, v_cache.dtype, bool(bf16), kernel,
-               num_splits, dependent_merge, _device_id(cp))
+        # Strides are part of the signature: a step is planned only for arrays checked C-contiguous, and arrays of
+        # the same shapes and strides are C-contiguous too, so a later call checks only where its arrays start.
+        key = (q.shape, q.strides, k_cache.shape, k_cache.strides, v_cache.shape, v_cache.strides, q.dtype,
+               k_cache.dtype, v_cache.dtype, bool(bf16), kernel, num_splits, dependent_merge, _device_id(cp))
         step = _steps().get(key)
     if step is None:  # the first call of this signature: every check, the plan, the kernels, the split count
         step = _plan_step(q, k_cache, v_cache, bf16, kernel, num_splits, dependent_merge)
@@ -527,13 +614,8 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
             if len(steps) >= _STEPS_KEPT:
                 steps.pop(next(iter(steps)))
             steps[key] = step
-    else:  # what the signature does not fix: the arrays' layout and alignment, in one pass (the checks' messages)
-        for x in (q, k_cache, v_cache):
-            if x.data.ptr % 16 or not x.flags.c_contiguous:
-                arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
-                _check_contiguous(arrays)
-                _check_half_launch("decode", step.dt, arrays)
-    scale = step.scale if scale is None else np.float32(check_scale(scale, step.d))
+    elif (q.data.ptr | k_cache.data.ptr | v_cache.data.ptr) % 16:  # what the signature does not fix
+        _check_half_launch("decode", step.dt, {"q": q, "k_cache": k_cache, "v_cache": v_cache})
     lens = NULL_POINTER if lengths is None else _lengths_array(lengths, step.batch, step.m)
     if workspace is None:
         o_parts = cp.empty(step.parts[0], dtype=cp.float32)
@@ -541,8 +623,6 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
     else:
         o_parts = workspace.get("decode_o_parts", step.parts[0], cp.float32)
         lse_parts = workspace.get("decode_lse_parts", step.parts[1], cp.float32)
-    # (n, d) inputs are passed as they are: a (1, 1, n, d) view would be the same pointer
-    args = (q, k_cache, v_cache, lens, o_parts, lse_parts, *step.dims, scale, _CAUSAL[bool(causal)])
     if step.merge is None:  # "fused": the tree's nodes and its counters, which every call leaves at zero
         o, lse = _outputs(cp, q, out, fused=True)
         if workspace is None:
@@ -552,17 +632,18 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
             tree_o = workspace.get("decode_tree_o", step.tree[0], cp.float32)
             tree_l = workspace.get("decode_tree_lse", step.tree[1], cp.float32)
             counts = workspace.get("decode_counters", step.tree[2], cp.int32, zero=True)
-        step.split(step.grid, (step.threads,), (*args, tree_o, tree_l, counts, o, lse, *step.tree_dims))
+        scale = step.scale if scale is None else np.float32(check_scale(scale, step.d))
+        # (n, d) inputs are passed as they are: a (1, 1, n, d) view would be the same pointer
+        step.split(step.grid, (step.threads,), (q, k_cache, v_cache, lens, o_parts, lse_parts, *step.dims, scale,
+                                                _CAUSAL[bool(causal)], tree_o, tree_l, counts, o, lse,
+                                                *step.tree_dims))
     else:
         # The split kernel writes the partials only, so it is queued before the outputs are checked or made: that
         # Python then runs while the GPU already reads the cache, instead of before (a wrong out= is still refused
         # before anything writes to it; the partials it leaves are scratch).
-        step.split(step.grid, (step.threads,), args)
+        step.launch_split(cp, q, k_cache, v_cache, lens, o_parts, lse_parts, scale, causal)
         o, lse = _outputs(cp, q, out, fused=False)
-        if step.dependent is None:
-            step.merge(step.merge_grid, (MERGE_THREADS,), (o_parts, lse_parts, o, lse, step.num_splits))
-        else:
-            step.dependent(o_parts, lse_parts, o, lse, step.num_splits, cp.cuda.get_current_stream().ptr)
+        step.launch_merge(cp, o_parts, lse_parts, o, lse)
     if return_partials:
         return o, lse, o_parts, lse_parts
     return o, lse
