@@ -123,6 +123,7 @@ bench-decode: setup
 	    --rounds 2
 	$(BENCH) decode --name decode_dependent --m 131072 --heads 32 --kv-heads 8 --kernels mma --splits --dependent-merge \
 	    --repeat 20 --warmup 3 --rounds 4
+	$(BENCH) decode --name decode_mha --m 65536 --kernels mma --splits --repeat 20 --warmup 3 --rounds 4
 
 bench-memory: setup
 	$(BENCH) memory --n 1024 4096 16384 --repeat 20

@@ -22,7 +22,8 @@ FORWARD = ("benchmarks/ladder", "benchmarks/memory_sweep", "benchmarks/memory_sw
            "benchmarks/r12_probe", "benchmarks/hopper", "benchmarks/hopper_merged", "benchmarks/hopper_staged")
 # records timed under both protocols: every timed implementation and shape has a row of each
 BOTH_PROTOCOLS = ("benchmarks/protocols", "ch8/bwd", "ch8/bwd_hopper", "ch8/decode", "ch8/decode_gqa",
-                  "benchmarks/r12_probe", "benchmarks/hopper", "benchmarks/hopper_merged", "benchmarks/hopper_staged")
+                  "ch8/decode_dependent", "ch8/decode_mha", "benchmarks/r12_probe", "benchmarks/hopper",
+                  "benchmarks/hopper_merged", "benchmarks/hopper_staged")
 ROW_KEYS = {"impl", "pass", "dtype", "d", "n", "batch", "heads", "causal", "median_ms", "tflops"}
 PROVENANCE_KEYS = {"date_utc", "command", "gpu", "cupy", "numpy", "torch", "cuda_runtime", "nvidia_smi"}
 # summary -> the Nsight Compute CSV it is made from
