@@ -114,6 +114,8 @@ bench-hopper: setup
 	    --n 1024 4096 16384 --causal both --dtypes float16 bfloat16 --repeat 20 --warmup 3
 	$(BENCH) forward --name hopper_stream_k_rounds --impls tma staged stream_k sdpa_flash sdpa_cudnn --d 64 128 \
 	    --n 1024 4096 16384 --causal both --dtypes float16 bfloat16 --repeat 20 --warmup 3 --rounds 2
+	$(BENCH) forward --name hopper_pinned --impls tma stream_k sdpa_flash sdpa_cudnn --d 64 128 \
+	    --n 1024 4096 16384 --causal both --dtypes float16 bfloat16 --repeat 20 --warmup 3 --rounds 2
 
 bench-decode: setup
 	$(BENCH) decode --m 65536 --splits 4 16 20 41 64 128 256 --repeat 20 --warmup 3 --rounds 2

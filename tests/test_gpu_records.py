@@ -19,11 +19,12 @@ from flashlab import records
 from flashlab.bench import backward, decode, forward, host, memory, peak, profile, train
 
 FORWARD = ("benchmarks/ladder", "benchmarks/memory_sweep", "benchmarks/memory_sweep_rung2", "benchmarks/protocols",
-           "benchmarks/r12_probe", "benchmarks/hopper", "benchmarks/hopper_merged", "benchmarks/hopper_staged")
+           "benchmarks/r12_probe", "benchmarks/hopper", "benchmarks/hopper_merged", "benchmarks/hopper_staged",
+           "benchmarks/hopper_pinned")
 # records timed under both protocols: every timed implementation and shape has a row of each
 BOTH_PROTOCOLS = ("benchmarks/protocols", "ch8/bwd", "ch8/bwd_hopper", "ch8/decode", "ch8/decode_gqa",
                   "ch8/decode_dependent", "ch8/decode_mha", "benchmarks/r12_probe", "benchmarks/hopper",
-                  "benchmarks/hopper_merged", "benchmarks/hopper_staged")
+                  "benchmarks/hopper_merged", "benchmarks/hopper_staged", "benchmarks/hopper_pinned")
 ROW_KEYS = {"impl", "pass", "dtype", "d", "n", "batch", "heads", "causal", "median_ms", "tflops"}
 PROVENANCE_KEYS = {"date_utc", "command", "gpu", "cupy", "numpy", "torch", "cuda_runtime", "nvidia_smi"}
 # summary -> the Nsight Compute CSV it is made from
@@ -704,3 +705,35 @@ def test_chapter_11_backward_profile_statements_hold():
     count = "smsp__inst_executed.sum"
     ratio = {d: procs[f"bwd_wgmma_f16_d{d}"][count] / pipe[f"bwd_pipe_f16_d{d}"][count] for d in (64, 128)}
     assert ratio[128] < 0.4 and 0.45 < ratio[64] < 0.55
+
+
+def test_best_forward_on_sm_90_against_sdpa_pinned_holds_to_its_record():
+    """docs/kernels.md's reading of data/benchmarks/hopper_pinned.json: what "best" runs on sm_90 (HOPPER_BEST) against
+    SDPA with each backend picked once, both protocols, every shape: ahead of flash everywhere, the ranges quoted."""
+    rec = records.read_record("benchmarks/hopper_pinned")
+    cmd = rec["provenance"]["command"]
+    assert "--rounds 2" in cmd and cmd.split("--impls ")[1].split()[:2] == ["tma", "stream_k"]
+    assert {fgpu.HOPPER_BEST[(dt, d)] for dt in ("f16", "bf16") for d in (64, 128)} == {"tma", "stream_k"}
+    ms = _times("benchmarks/hopper_pinned")
+    shapes = {k[1:5] for k in ms}
+    assert len(shapes) == 24
+    dt_key = {"float16": "f16", "bfloat16": "bf16"}
+
+    def over(ref, protocol, keep=lambda shape: True):
+        return [ms[(ref, *s, protocol)] / ms[(fgpu.HOPPER_BEST[(dt_key[s[0]], s[1])], *s, protocol)]
+                for s in shapes if keep(s)]
+
+    text = " ".join((records.ROOT / "docs" / "kernels.md").read_text().split())
+    thr, lat = over("sdpa_flash", "throughput"), over("sdpa_flash", "latency")
+    assert min(thr) > 1 and min(lat) > 1  # ahead of SDPA flash at every shape, both protocols
+    assert f"(`hopper_pinned.json`, an H100: {min(lat):.2f}× at the least, under latency)" in text
+    assert "H100" in rec["provenance"]["gpu"]
+    assert (f"`\"best\"` is at {min(thr):.2f}-{max(thr):.2f}× back to back and {min(lat):.2f}-{max(lat):.2f}× under "
+            "latency over all 24 shapes") in text
+    low = min(shapes, key=lambda s: ms[("sdpa_flash", *s, "latency")] / ms[(fgpu.HOPPER_BEST[(dt_key[s[0]], s[1])],
+                                                                                *s, "latency")])
+    assert low[1:] == (128, 1024, True)  # "the lowest rows are causal at n = 1024, d = 128"
+    long = [x for p in records.PROTOCOLS for x in over("sdpa_cudnn", p, lambda s: s[1] == 128 and s[2] >= 4096)]
+    assert (f"at {min(long):.2f}-{max(long):.2f}× ({sum(x >= 0.9 for x in long)} of {len(long)} rows at 0.9× or "
+            "above)") in text
+    assert cmd.replace("python -m flashlab ", "") in text.replace("python -m flashlab ", "")
