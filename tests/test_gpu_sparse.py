@@ -179,8 +179,17 @@ def test_benchmark_table_takes_time_per_tile_against_dense_causal():
     assert ratios[("flex", "throughput", 1024, "window 256")] == pytest.approx((0.75 / 0.125) / (2.5 / 0.5))
     table = sparse.format_rows(rows).splitlines()
     window_row = next(line for line in table if line.startswith("sparse_window"))
-    assert window_row.split()[-2:] == ["1.20", "1.25"]  # per tile vs dense causal, speed vs flex (0.75 / 0.6)
+    # per tile vs dense causal, speed vs flex (0.75 / 0.6), and no memory floor in these rows
+    assert window_row.split()[-3:] == ["1.20", "1.25", "-"]
     assert any("out of memory" in line for line in table)
+    assert sparse.floor_ratios(rows) == {} and sparse.floor_over_tiles(rows) == {}
+    # with the run's memory floor: each time over it, and the floor over the time proportional to the pattern's tiles
+    floored = [{**r, "floor_ms": 0.4} for r in rows]
+    assert sparse.floor_ratios(floored)[("sparse_window", "throughput", 1024, "window 256")] == pytest.approx(1.5)
+    tiles = sparse.floor_over_tiles(floored)
+    assert tiles[("throughput", 1024, "window 256")] == pytest.approx(0.4 / (2.0 / 0.5 * 0.125))  # 0.8
+    assert ("throughput", 1024, "causal") in tiles and len(tiles) == 2  # flex_causal, and the window's pattern
+    assert sparse.format_rows(floored).splitlines()[3].split()[-1] == "1.50"
     # a row of the residue classes is taken per tile it computes
     rows.append({**base, "impl": "hopper_window", "pattern": "window 256", "density": 0.125,
                  "computed_density": 0.05, "median_ms": 0.3, "tflops": 1.0})

@@ -23,6 +23,7 @@ from ..gpu import decoding
 from . import (
     add_protocols,
     add_rounds,
+    copy_ms,
     error_line,
     gpu_main,
     max_diff,
@@ -35,14 +36,6 @@ from . import (
 from .backward import OUT_DIR
 
 SDPA = {"sdpa": None, "sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}  # impl -> SDPBackend
-
-
-def _copy_ms(nbytes: int, repeat: int, warmup: int) -> float:
-    import cupy as cp
-
-    src = cp.ones(nbytes // 2, dtype=cp.float16)
-    dst = cp.empty_like(src)
-    return records.median_ms(lambda: cp.copyto(dst, src), repeat, warmup)
 
 
 def run(args: argparse.Namespace, rows: list[dict]) -> None:
@@ -65,8 +58,8 @@ def _decode_one(args, m: int, rows: list[dict], rng) -> None:
     q = rng.standard_normal((B, H, nq, d), dtype=cp.float32).astype(cp.float16)
     k, v = (rng.standard_normal((B, Hk, m, d), dtype=cp.float32).astype(cp.float16) for _ in range(2))
     kv_bytes = 2 * k.nbytes
-    copy_ms = _copy_ms(k.nbytes, args.repeat, args.warmup)  # a copy of one of K, V reads and writes k.nbytes
-    copy_gbps = 2 * k.nbytes / (copy_ms * 1e-3) / 1e9
+    copied = copy_ms(k.nbytes, args.repeat, args.warmup)  # a copy of one of K, V reads and writes k.nbytes
+    copy_gbps = 2 * k.nbytes / (copied * 1e-3) / 1e9
     read_once_ms = kv_bytes / (copy_gbps * 1e9) * 1e3
     base = {"pass": "decode", "dtype": "float16", "d": d, "n": nq, "m": m, "batch": B, "heads": H,
             "kv_heads": Hk, "kv_bytes": kv_bytes, "copy_gbps": round(copy_gbps, 1),

@@ -26,6 +26,11 @@ pattern whose dilation divides n also carries ``computed_density``, the density 
 the dilation as residue classes (``computed_density``, ``flashlab.gpu.residue_classes``). The printed table adds time
 per computed tile relative to dense causal (1.00 = time proportional to the computed tiles) and the speed against
 flex.
+
+Per n the run also times a copy of Q on the GPU: every row carries that copy bandwidth (``copy_gbps``), the bytes a
+forward pass must move at least (``io_bytes``: Q, K and V read, O and the log-sum-exp written, once each) and their
+time at that bandwidth (``floor_ms``, the memory floor). No kernel, sparse or not, can take less; where the pattern
+computes few tiles the floor, not the tiles, bounds the time (``floor_ratios``, ``floor_over_tiles``).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import time
 import numpy as np
 
 from .. import blocksparse, records
-from . import add_protocols, error_line, gpu_main, max_diff, record_parser
+from . import add_protocols, copy_ms, error_line, gpu_main, max_diff, record_parser
 
 OUT_DIR = records.DATA_DIR / "benchmarks"
 TILE = (128, 64)  # the window kernel's tiles (flashlab.gpu.SPARSE_TILES): what the density is counted in
@@ -202,7 +207,13 @@ def _one_length(args, rows: list[dict], q, k, v, flex: Flex | None, why_not: str
     B, H, n, d = q.shape
     o = cp.empty_like(q)
     lse = cp.empty(q.shape[:-1], dtype=cp.float32)
-    base = {"pass": "forward", "dtype": "float16", "d": d, "n": n, "batch": B, "heads": H}
+    copied = copy_ms(q.nbytes, args.repeat, args.warmup)
+    gbps = 2 * q.nbytes / (copied * 1e-3) / 1e9
+    io_bytes = 4 * q.nbytes + lse.nbytes  # Q, K, V read and O, lse written, once each
+    base = {"pass": "forward", "dtype": "float16", "d": d, "n": n, "batch": B, "heads": H, "copy_gbps": round(gbps, 1),
+            "io_bytes": io_bytes, "floor_ms": round(io_bytes / (gbps * 1e9) * 1e3, 5)}
+    print(f"  memory floor   n={n:<6} {io_bytes / 1e6:.0f} MB read and written at the copy bandwidth of "
+          f"{gbps:.0f} GB/s: {base['floor_ms']:.3f} ms", flush=True)
     causal_pattern = blocksparse.causal()
     dense = {"pattern": "causal", "window": [None, 0], "dilation": 1,
              "density": causal_pattern.block_mask(n, n, *TILE).density, "pairs": visible_pairs(causal_pattern, n, n)}
@@ -329,14 +340,35 @@ def per_tile_ratios(rows: list[dict]) -> dict[tuple, float]:
     return out
 
 
+def floor_ratios(rows: list[dict]) -> dict[tuple, float]:
+    """(impl, protocol, n, pattern) -> time over the memory floor of its run (``floor_ms``; rows without one are left
+    out): 1.0 would move Q, K, V and O at the copy bandwidth and compute nothing on top."""
+    return {(r["impl"], records.protocol_of(r), r["n"], r["pattern"]): r["median_ms"] / r["floor_ms"]
+            for r in rows if "error" not in r and r.get("floor_ms")}
+
+
+def floor_over_tiles(rows: list[dict]) -> dict[tuple, float]:
+    """(protocol, n, pattern) -> the memory floor over the time proportional to the pattern's tiles (dense causal's time
+    per tile, the course's kernel, times the pattern's tiles). Above 1/1.15 the floor alone puts time per computed tile
+    within 15 % of dense causal's out of reach unless all of the compute hides under the traffic."""
+    dense = {(records.protocol_of(r), r["n"]): r for r in rows if "error" not in r and r["impl"] == "causal"}
+    out = {}
+    for r in rows:
+        base = dense.get((records.protocol_of(r), r["n"])) if "error" not in r else None
+        if base is not None and r.get("floor_ms") and r["impl"] != "causal":
+            out[(records.protocol_of(r), r["n"], r["pattern"])] = r["floor_ms"] / (
+                base["median_ms"] / base["density"] * r["density"])
+    return out
+
+
 def format_rows(rows: list[dict]) -> str:
     """Plain text, one line per row: time, TFLOP/s of the visible pairs, time per computed tile relative to dense
     causal (same implementation family, n and protocol), and the speed against FlexAttention with the same mask."""
-    ratios = per_tile_ratios(rows)
+    ratios, floors = per_tile_ratios(rows), floor_ratios(rows)
     flex = {(records.protocol_of(r), r["n"], r["pattern"]): r["median_ms"] for r in rows
             if "error" not in r and r["impl"] in ("flex", "flex_causal")}
     lines = [f"{'impl':<14} {'n':>6} {'pattern':<28} {'density':>8} {'protocol':<10} {'ms':>9} {'TFLOP/s':>8} "
-             f"{'per tile':>8} {'x flex':>7}"]
+             f"{'per tile':>8} {'x flex':>7} {'x floor':>7}"]
     for r in rows:
         if "error" in r:
             lines.append(error_line(r))
@@ -346,8 +378,10 @@ def format_rows(rows: list[dict]) -> str:
         fl = flex.get((p, r["n"], r["pattern"]))
         per_tile = "-" if ratio is None else f"{ratio:.2f}"
         x_flex = "-" if fl is None else f"{fl / r['median_ms']:.2f}"
+        floor = floors.get((r["impl"], p, r["n"], r["pattern"]))
+        x_floor = "-" if floor is None else f"{floor:.2f}"
         lines.append(f"{r['impl']:<14} {r['n']:>6} {r['pattern']:<28} {r['density']:8.4f} {p:<10} "
-                     f"{r['median_ms']:9.3f} {r['tflops']:8.1f} {per_tile:>8} {x_flex:>7}")
+                     f"{r['median_ms']:9.3f} {r['tflops']:8.1f} {per_tile:>8} {x_flex:>7} {x_floor:>7}")
     return "\n".join(lines)
 
 
