@@ -1034,3 +1034,29 @@ def test_chapter3_plots_and_summarises_the_recorded_sparse_run_with_its_provenan
     shown = text(cell_by_id(CH3, "sparse-gpu-measured-text"))
     assert "protocol" in shown and "(ms)" in shown and "throughput" in shown and "latency" in shown
     assert "slide" in cell_by_id(CH3, "sparse-gpu-measured-text")["metadata"]["tags"]
+
+
+def test_chapter3_reads_the_memory_floor_of_the_recorded_sparse_run():
+    """Section 11's memory floor: the cell prints the record's floor per n and, per window, the floor over the
+    tile-proportional time and the window kernel's time over the floor; the reading's claims hold in the record."""
+    from flashlab.bench import sparse
+
+    ns: dict = {}
+    run_cells(CH3, CH3_SETUP, ns)
+    printed = run_cells(CH3, ["sparse-gpu-measured", "sparse-floor-measured"], ns)
+    rows = records.read_record("benchmarks/sparse")["rows"]
+    over_tiles, over_floor = sparse.floor_over_tiles(rows), sparse.floor_ratios(rows)
+    for r in (r for r in rows if r["impl"] == "causal"):
+        assert f"n = {r['n']}: floor {r['floor_ms']:.3f} ms ({r['io_bytes'] / 1e6:.0f} MB at {r['copy_gbps']:.0f}" \
+            in printed
+    for (protocol, n, pattern), v in over_tiles.items():
+        if pattern in ("window 256", "window 512", "window 1024", "window 2048"):
+            assert f"floor / tile-proportional time {v:5.2f};  hopper_window at " \
+                   f"{over_floor[('hopper_window', protocol, n, pattern)]:5.2f}x the floor" in printed
+    reading = text(cell_by_id(CH3, "sparse-floor-reading"))
+    assert "$n = 16\\,384$ back to back it is longer than that time plus 15 %" in reading
+    assert over_tiles[("throughput", 16384, "window 256")] > 1.15
+    assert all(0.95 < v < 1.3 for (_, _, p), v in over_tiles.items() if p == "window 256")  # "about as long"
+    assert all(v < 0.8 for (_, _, p), v in over_tiles.items() if p == "window 512")  # "well below"
+    assert all(v < 0.5 for (_, _, p), v in over_tiles.items() if p.startswith("window ")
+               and int(p.split()[1]) >= 1024)  # "a small part of the time"

@@ -712,10 +712,10 @@ def test_bad_sparse_inputs_get_clear_errors():
 
 
 def test_the_recorded_benchmark_holds_together():
-    """data/benchmarks/sparse.json (``python -m flashlab bench sparse`` on an H200): every timed row's density and
-    visible pairs are its pattern's (recomputed here), its TFLOP/s is 4 d pairs / time, it has >= 20 runs, every
-    (implementation, n, pattern) was timed under both protocols, and every output agreed with the window kernel's
-    (or, for dense causal, with the course's rung) before it was timed."""
+    """data/benchmarks/sparse.json (``python -m flashlab bench sparse``): every timed row's density, visible pairs and
+    memory floor are its pattern's and its run's (recomputed here), its TFLOP/s is 4 d pairs / time, it has >= 20
+    runs, every (implementation, n, pattern) was timed under both protocols, and every output agreed with the window
+    kernel's (or, for dense causal, with the course's rung) before it was timed."""
     from flashlab import records
     from flashlab.bench import sparse
 
@@ -732,6 +732,9 @@ def test_the_recorded_benchmark_holds_together():
         assert r["repeat"] >= records.MIN_REPEAT
         assert r["max_abs_diff"] <= 2e-3, r  # fp16 outputs of two summation orders: a few units of 2^-11
         protocols.setdefault((r["impl"], r["n"], r["pattern"]), set()).add(r["protocol"])
+        # the memory floor: Q, K, V read and O (fp16) and the lse (fp32) written once, at the run's copy bandwidth
+        assert r["io_bytes"] == r["batch"] * r["heads"] * r["n"] * (4 * 2 * r["d"] + 4), r
+        assert r["floor_ms"] == pytest.approx(r["io_bytes"] / (r["copy_gbps"] * 1e9) * 1e3, rel=1e-3), r
     assert all(p == set(records.PROTOCOLS) for p in protocols.values()), protocols
     assert {n for _, n, _ in protocols} == {16384, 65536}
 
@@ -861,6 +864,35 @@ def notes_numbers(rows: list[dict]) -> dict[str, str]:
         "DILATED_WINDOW": span(tiles("hopper_window", dilated)),
         "LATENCY_EXTRA": span([ms[(i, "latency", 16384, p)] - ms[(i, "throughput", 16384, p)]
                                for (i, _, n, p) in ms if i.startswith("hopper_") and n == 16384], " ms more a call"),
+        **floor_numbers(ok),
+    }
+
+
+def floor_numbers(ok: list[dict]) -> dict[str, str]:
+    """The numbers of docs/kernels.md's bullet on the memory floor, from a record's rows (none for an older record
+    without ``floor_ms``)."""
+    from flashlab.bench import sparse
+
+    if not all(r.get("floor_ms") for r in ok):
+        return {}
+    over_tiles, over_floor = sparse.floor_over_tiles(ok), sparse.floor_ratios(ok)
+    run = {r["n"]: r for r in ok}
+
+    def span(values, unit="×"):
+        return f"{min(values):.2f}–{max(values):.2f}{unit}"
+
+    def kernels(w, prefix):
+        return [v for (i, _, _, pat), v in over_floor.items() if i.startswith(prefix) and pat == f"window {w}"]
+
+    return {
+        "COPY": f"{run[16384]['copy_gbps']:.0f} GB/s at n = 16384 and {run[65536]['copy_gbps']:.0f} GB/s at",
+        "BYTES": f"{run[16384]['io_bytes'] / 1e6:.0f} MB and {run[65536]['io_bytes'] / 1e6:.0f} MB",
+        "FLOOR": f"less than {run[16384]['floor_ms']:.3f} ms and {run[65536]['floor_ms']:.3f} ms",
+        "FLOOR_256": f"At w = 256 that floor is {span([v for k, v in over_tiles.items() if k[2] == 'window 256'])} the",
+        "HOPPER_256": f"run at {span(kernels(256, 'hopper_'))} the floor there (`hopper_window` at "
+                      f"{span(kernels(256, 'hopper_window'))})",
+        "FLOOR_512": f"At w = 512 the floor is {span([v for k, v in over_tiles.items() if k[2] == 'window 512'])} the",
+        "HOPPER_512": f"kernels take {span(kernels(512, 'hopper_'))} it",
     }
 
 
@@ -899,6 +931,12 @@ def test_the_notes_state_the_recorded_block_sparse_run():
     dilated_rows = [r for r in ok if r["impl"] == "hopper_window" and r["dilation"] > 1]
     assert dilated_rows and all(r["computed_density"] < 0.3 * r["density"] for r in dilated_rows)  # "a quarter"
     assert all(v <= 1.15 for (_, _, _, pat), v in hopper.items() if pat.startswith("dilated"))
+    # the memory floor's reading: at w = 256 the floor is about the tile-proportional time, at one cell above the 15 %
+    # ("the traffic alone exceeds the 15 %"), at w = 512 well below it ("not the traffic")
+    floors = sparse.floor_over_tiles(ok)
+    assert floors[("throughput", 16384, "window 256")] > 1.15
+    assert all(0.95 < v for (_, _, pat), v in floors.items() if pat == "window 256")
+    assert all(v < 0.8 for (_, _, pat), v in floors.items() if pat == "window 512")
     cells = json.loads(next((fgpu.KERNEL_DIR.parents[2] / "notebooks").glob("03_*.ipynb")).read_text())["cells"]
     lesson = " ".join("".join(next(c for c in cells if c.get("id") == "sparse-gpu-lesson")["source"]).split())
     assert ("From windows of 2048 keys on (1024 at $n = 65\\,536$), the Hopper kernels' points lie on the dashed "
