@@ -554,6 +554,21 @@ def test_steps_launched_through_the_driver_give_cupys_bits_from_threads_on_their
         t.join()
     assert all(s.split_launch is not None and s.merge_launch is not None for s in decoding._steps().values())
     assert sorted(got) == [0, 1, 2, 3]
+    # A thread that makes no CUDA call of its own before the step: its inputs, outputs and workspace come from this
+    # thread, on the default stream, so the launch through the driver must make the context current itself.
+    a, kw = cases[0]
+    out = (cp.empty_like(a[0]), cp.empty(a[0].shape[:-1], dtype=cp.float32))
+    ws = fgpu.Workspace()
+    fgpu.decode(*a, kernel="mma", out=out, workspace=ws, **kw)
+    out[0].fill(0)
+    cp.cuda.Device().synchronize()
+    cold: list = []
+    thread = threading.Thread(target=lambda: cold.append(fgpu.decode(*a, kernel="mma", out=out, workspace=ws, **kw)))
+    thread.start()
+    thread.join()
+    cp.cuda.Device().synchronize()
+    assert cold, "the step raised in a thread that had made no CUDA call"
+    np.testing.assert_array_equal(out[0].get(), want[0][0].get())
     for t, outs in got.items():
         for i, (o, lse) in enumerate(outs):
             np.testing.assert_array_equal(o.get(), want[i % len(cases)][0].get(), err_msg=f"thread {t} step {i}")

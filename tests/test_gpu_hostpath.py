@@ -373,14 +373,16 @@ def test_a_planned_decode_step_through_the_driver_passes_cupys_arguments_slot_fo
     launched: list = []
     driver = _fake_driver(launched)
     monkeypatch.setattr(decoding, "cuda_driver", lambda purpose: driver)
+    bound: list = []  # threads that made the device's context current, one entry per argument block made
+    monkeypatch.setattr(decoding, "_bind_context", lambda: bound.append(threading.get_ident()))
     launches_before = len(counts.launches)
     for kw in calls:
         fgpu.decode(q, kc, vc, out=out, workspace=ws, num_splits=7, **kw)
     assert len(counts.launches) == launches_before  # nothing went through CuPy's launch
     step = next(iter(decoding._steps().values()))
     assert [(name, grid, threads, stream) for name, grid, threads, stream, _, _ in launched[:2]] == [
-        ("decode_mma_f16_d128", step.grid, step.threads, ("stream", 0)),
-        ("decode_merge_f16_d128", (*step.merge_grid, 1, 1), decoding.MERGE_THREADS, ("stream", 0))]
+        ("decode_mma_f16_d128", step.grid, step.threads, ("stream", 1)),  # CuPy's null stream: CU_STREAM_LEGACY
+        ("decode_merge_f16_d128", (*step.merge_grid, 1, 1), decoding.MERGE_THREADS, ("stream", 1))]
     for i, ((name, values), got) in enumerate(zip(by_cupy, launched, strict=True)):
         if i == 2:  # lengths: a new device array on each call, so its address is the one thing that may differ
             assert got[5][3] != 0 and got[5][:3] + got[5][4:] == values[:3] + values[4:]
@@ -394,10 +396,23 @@ def test_a_planned_decode_step_through_the_driver_passes_cupys_arguments_slot_fo
     thread.start()
     thread.join()
     assert other and launched[-2][5] == launched[0][5] and launched[-2][4] != launched[0][4]  # its own block
+    # each thread made the context current once per kernel, before its first block: the main thread, then the other
+    assert len(bound) == 4 and bound[:2] == [threading.get_ident()] * 2 and bound[2] == bound[3] != bound[0]
 
     driver.failure = 700  # what the driver returns is checked
     with pytest.raises(RuntimeError, match="through the driver failed: 700"):
         fgpu.decode(q, kc, vc, out=out, workspace=ws, num_splits=7)
+
+
+def test_argument_slots_hold_what_the_kernels_read_and_refuse_anything_else():
+    assert decoding.slot_value(np.float32(0.5)) == 0x3F00_0000  # a float32's bits
+    assert decoding.slot_value(np.int32(-1)) & 0xFFFF_FFFF == 0xFFFF_FFFF  # an int32 of -1 in the low 4 bytes
+    assert decoding.slot_value(np.int64(0)) == 0 and decoding.slot_value(7) == 7
+    x = hostemu._wrap(np.zeros(4, np.float16))
+    assert decoding.slot_value(x) == x.data.ptr
+    for bad in (True, np.bool_(False), 0.5, np.float64(0.5), "7"):  # a Python float would be 8 bytes, not 4
+        with pytest.raises(TypeError, match="an int, a float32 or an array"):
+            decoding.slot_value(bad)
 
 
 def test_kernels_are_cached_per_device(stand_in, monkeypatch):

@@ -313,9 +313,10 @@ class _DriverLaunch:
     ``dependent=True``: the merge kernel launched as a programmatic dependent of the split kernel (sm_90 and later),
     with the attribute ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``: the merge grid may be scheduled as
     soon as every split block has executed ``griddepcontrol.launch_dependents`` (``decode_mma_*`` does so first; the
-    other split kernels at their end), and each merge block waits in ``griddepcontrol.wait`` until the split grid
-    has ended and its partials are in memory. An ordinary launch starts the merge's blocks after the split grid has
-    ended, with the SMs idle meanwhile. CuPy's ``RawKernel`` cannot set launch attributes.
+    other split kernels do not, and a block that exits counts as having done so), and each merge block waits in
+    ``griddepcontrol.wait`` until the split grid has ended and its partials are in memory. An ordinary launch starts
+    the merge's blocks after the split grid has ended, with the SMs idle meanwhile. CuPy's ``RawKernel`` cannot set
+    launch attributes.
     """
 
     def __init__(self, kern, grid: tuple[int, ...], threads: int, count: int, fixed: dict[int, int] | None = None,
@@ -335,9 +336,12 @@ class _DriverLaunch:
 
     def block(self):
         """This thread's argument block: (its slots, the address of its array of pointers to them), the fixed slots
-        filled."""
+        filled. A thread's first block also makes the current device's context current in that thread: CuPy does so
+        before each of its launches, and a thread whose arrays, outputs and workspace all came from another thread
+        may have made no CUDA call yet, so that the driver would find no context to launch in."""
         got = getattr(self._local, "block", None)
         if got is None:
+            _bind_context()
             ct = self._ctypes
             slots = (ct.c_uint64 * self._count)()
             for i, value in self._fixed.items():
@@ -349,13 +353,16 @@ class _DriverLaunch:
 
     def _handle(self, stream: int):
         cu = self._cu
+        # CuPy's null stream (pointer 0) is the legacy default stream; named as such (CU_STREAM_LEGACY, 0x1), so that
+        # a driver binding set to a per-thread default stream does not take 0 to mean that one instead
+        handle = cu.CUstream(0x1 if stream == 0 else stream)
         if not self.dependent:
-            return self._handles.setdefault(stream, cu.CUstream(stream))
+            return self._handles.setdefault(stream, handle)
         cfg = cu.CUlaunchConfig()
         cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = self._grid
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self._threads, 1, 1
         cfg.sharedMemBytes = 0
-        cfg.hStream = cu.CUstream(stream)
+        cfg.hStream = handle
         attr = cu.CUlaunchAttribute()
         attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         attr.value.programmaticStreamSerializationAllowed = 1
@@ -375,14 +382,24 @@ class _DriverLaunch:
             raise RuntimeError(f"launching a decoding kernel through the driver failed: {err!r}")
 
 
+def _bind_context() -> None:
+    """Make the current device's primary context current in this thread (the CUDA runtime does it on a thread's
+    first runtime call; ``cudaFree(0)`` is that call and frees nothing)."""
+    _cupy().cuda.runtime.free(0)
+
+
 def slot_value(x) -> int:
     """A kernel argument as its slot of a ``_DriverLaunch`` block holds it: an array's device address, a float32's
     bits, an integer's value (two's complement in 8 bytes, of which the kernel reads its parameter's width)."""
-    if isinstance(x, np.floating):
-        return int(np.float32(x).view(np.uint32))
+    if isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"a kernel argument is an int, a float32 or an array; got {x!r}")
+    if isinstance(x, np.float32):
+        return int(x.view(np.uint32))
     if isinstance(x, (int, np.integer)):
         return int(x) & 0xFFFF_FFFF_FFFF_FFFF
-    return int(x.data.ptr)
+    if hasattr(x, "data") and hasattr(x.data, "ptr"):
+        return int(x.data.ptr)
+    raise TypeError(f"a kernel argument is an int, a float32 or an array; got {type(x).__name__} {x!r}")
 
 
 def _driver_launch(kern, grid, threads: int, count: int, fixed: dict[int, int] | None = None):
@@ -504,7 +521,8 @@ _STEPS_KEPT = 256  # signatures a process keeps planned (a loop whose cache grow
 
 
 def _steps() -> dict:
-    """This device's planned steps, oldest first, kept in the package's dictionary of configured kernels."""
+    """The planned steps of every device (the device is part of each key), oldest first, kept in the package's
+    dictionary of configured kernels."""
     return _gpu()._FUNCTIONS.setdefault("decode steps", {})
 
 
@@ -612,7 +630,7 @@ def decode(q, k_cache, v_cache, *, num_splits: int | None = None, lengths: Seque
         if key is not None:
             steps = _steps()
             if len(steps) >= _STEPS_KEPT:
-                steps.pop(next(iter(steps)))
+                steps.pop(next(iter(steps), None), None)  # another thread may have dropped it first
             steps[key] = step
     elif (q.data.ptr | k_cache.data.ptr | v_cache.data.ptr) % 16:  # what the signature does not fix
         _check_half_launch("decode", step.dt, {"q": q, "k_cache": k_cache, "v_cache": v_cache})
