@@ -161,6 +161,17 @@ def file_hashes(paths: Iterable[pathlib.Path]) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in paths}
 
 
+def package_hash() -> str:
+    """First 16 hex digits of the SHA-256 of the package's Python sources (every ``flashlab/**/*.py``, by path): what
+    names the launchers and benchmarks a record was made with where the git metadata beside the sources is missing or
+    does not describe them (a copy of the working tree with an older ``.git``)."""
+    digest = hashlib.sha256()
+    package = pathlib.Path(__file__).resolve().parent
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def git_commit() -> str | None:
     """The repository's HEAD commit, or None outside a git checkout."""
     try:
@@ -235,6 +246,7 @@ def gpu_provenance(command: str) -> dict:
         prov["torch"] = None
     prov["git_commit"] = git_commit()
     prov["git_dirty"] = git_dirty()
+    prov["package_sha256"] = package_hash()
     prov["kernel_sha256"] = {r.file: hashlib.sha256(r.source().encode()).hexdigest()[:16] for r in fgpu.RUNGS.values()}
     # the Hopper rungs and the headers they include, by their path under kernels/
     prov["kernel_sha256"].update({f"hopper/{name}": h for name, h in

@@ -736,4 +736,8 @@ def test_best_forward_on_sm_90_against_sdpa_pinned_holds_to_its_record():
     long = [x for p in records.PROTOCOLS for x in over("sdpa_cudnn", p, lambda s: s[1] == 128 and s[2] >= 4096)]
     assert (f"at {min(long):.2f}-{max(long):.2f}× ({sum(x >= 0.9 for x in long)} of {len(long)} rows at 0.9× or "
             "above)") in text
+    every = [x for p in records.PROTOCOLS for x in over("sdpa_cudnn", p)]
+    assert f"over all {len(every)} rows at {min(every):.2f}-{max(every):.2f}×: behind at every d = 64 row" in text
+    assert all(x < 1 for p in records.PROTOCOLS for x in over("sdpa_cudnn", p, lambda s: s[1] == 64))
+    assert f"{min(long):.2f}-{max(long):.2f}× there and {min(every):.2f}-{max(every):.2f}× over all shapes" in text
     assert cmd.replace("python -m flashlab ", "") in text.replace("python -m flashlab ", "")

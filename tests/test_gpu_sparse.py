@@ -893,7 +893,14 @@ def floor_numbers(ok: list[dict]) -> dict[str, str]:
                       f"{span(kernels(256, 'hopper_window'))})",
         "FLOOR_512": f"At w = 512 the floor is {span([v for k, v in over_tiles.items() if k[2] == 'window 512'])} the",
         "HOPPER_512": f"kernels take {span(kernels(512, 'hopper_'))} it",
+        "COPIES": (f"that copy was short ({q_bytes(run[16384]) / 1e6:.0f} MB), and at the bandwidth of the "
+                   f"{q_bytes(run[65536]) / 1e6:.0f} MB copy"),
     }
+
+
+def q_bytes(row: dict) -> int:
+    """Bytes of Q in a sparse record's run: what its copy moved to measure the bandwidth."""
+    return row["batch"] * row["heads"] * row["n"] * row["d"] * 2
 
 
 def test_the_notes_state_the_recorded_block_sparse_run():

@@ -113,6 +113,7 @@ def test_gpu_provenance_names_the_machine_the_versions_and_the_kernels(fake_cupy
                 "python", "nvidia_smi", "torch", "git_commit", "git_dirty"):
         assert key in prov, key
     assert prov["gpu"] == "host emulation (no GPU)" and prov["cupy"] == "hostemu"
+    assert prov["package_sha256"] == records.package_hash() and len(prov["package_sha256"]) == 16
     hopper = sorted(fgpu.KERNEL_DIR.glob("hopper/*.cu*"))
     assert prov["kernel_sha256"] == {
         **{r.file: hashlib.sha256(r.source().encode()).hexdigest()[:16] for r in fgpu.RUNGS.values()},
@@ -200,3 +201,20 @@ def test_bench_cpu_records_a_run_like_the_recorded_one(tmp_path, monkeypatch):
     assert record["summary"] == cpu_bench.summary(record["rows"]) and record["summary"]["n"] == 64
     with pytest.raises(SystemExit):
         bench_cpu.main(["--record", "../escape"])
+
+
+def test_package_hash_names_the_python_sources(tmp_path, monkeypatch):
+    """The hash follows every Python file of the package, its path included: an edit, a new module or a renamed one
+    gives another hash; running it twice gives the same."""
+    copy = tmp_path / "flashlab"
+    for path in pathlib.Path(records.__file__).resolve().parent.rglob("*.py"):
+        target = copy / path.relative_to(pathlib.Path(records.__file__).resolve().parent)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(path.read_bytes())
+    monkeypatch.setattr(records, "__file__", str(copy / "records.py"))
+    first = records.package_hash()
+    assert first == records.package_hash()
+    (copy / "tiled.py").write_text((copy / "tiled.py").read_text() + "\n# an edit\n")
+    edited = records.package_hash()
+    (copy / "tiled.py").rename(copy / "tiled2.py")
+    assert len({first, edited, records.package_hash()}) == 3

@@ -27,10 +27,11 @@ the dilation as residue classes (``computed_density``, ``flashlab.gpu.residue_cl
 per computed tile relative to dense causal (1.00 = time proportional to the computed tiles) and the speed against
 flex.
 
-Per n the run also times a copy of Q on the GPU: every row carries that copy bandwidth (``copy_gbps``), the bytes a
-forward pass must move at least (``io_bytes``: Q, K and V read, O and the log-sum-exp written, once each) and their
-time at that bandwidth (``floor_ms``, the memory floor). No kernel, sparse or not, can take less; where the pattern
-computes few tiles the floor, not the tiles, bounds the time (``floor_ratios``, ``floor_over_tiles``).
+Per n the run also times a copy of Q on the GPU, back to back: every row carries that copy bandwidth (``copy_gbps``),
+the bytes a forward pass must move at least (``io_bytes``: Q, K and V read, O and the log-sum-exp written, once each)
+and their time at that bandwidth (``floor_ms``, the memory floor). It estimates what no kernel can beat by much: a
+copy reads and writes alike, and a pass that mostly reads may run somewhat faster. Where a pattern computes few tiles
+the floor comes near the time its tiles take (``floor_ratios``, ``floor_over_tiles``).
 """
 
 from __future__ import annotations
@@ -349,8 +350,10 @@ def floor_ratios(rows: list[dict]) -> dict[tuple, float]:
 
 def floor_over_tiles(rows: list[dict]) -> dict[tuple, float]:
     """(protocol, n, pattern) -> the memory floor over the time proportional to the pattern's tiles (dense causal's time
-    per tile, the course's kernel, times the pattern's tiles). Above 1/1.15 the floor alone puts time per computed tile
-    within 15 % of dense causal's out of reach unless all of the compute hides under the traffic."""
+    per tile, the course's kernel, times the pattern's tiles, counted at the pattern's density: a row's
+    ``computed_density`` is not used). Above 1.15 the traffic alone, at the copy bandwidth, takes longer than time per
+    tile within 15 % of dense causal's allows; below it, meeting that needs at least (floor - 0.15) of the
+    tile-proportional time's worth of computing hidden under the traffic."""
     dense = {(records.protocol_of(r), r["n"]): r for r in rows if "error" not in r and r["impl"] == "causal"}
     out = {}
     for r in rows:
