@@ -10,7 +10,7 @@ PRESENT_STAMP := $(VENV)/.installed-present-stamp
 
 .PHONY: setup dev lab test test-gpu html slides present release grade lint clean \
         bench-forward bench-ablate bench-peak bench-hopper bench-backward bench-backward-hopper bench-targets bench-decode bench-memory bench-train bench-ring bench-sparse bench-cpu \
-        profile profile-occupancy profile-backward profile-backward-hopper profile-decode profile-stream-k sanitize
+        profile profile-occupancy profile-backward profile-backward-hopper profile-decode profile-sparse profile-stream-k sanitize
 
 setup: $(STAMP)
 
@@ -229,6 +229,16 @@ profile-stream-k: setup
 	mkdir -p data/raw/ncu
 	for impl in staged stream_k; do ncu --profile-from-start off --clock-control none --csv $(TAIL) \
 	    $(PROFILE) --impl $$impl --d 128 --n 4096 --batch 4; done > data/raw/ncu/ncu_stream_k_tail.csv 2>&1
+
+# Block-sparse (H100, H200): the Hopper window kernel at the narrow windows where time per tile misses dense
+# causal's, beside dense causal itself; the sections say where an output tile's time goes (stalls, memory, issue).
+SPARSE_SHAPE := --d 128 --n 16384 --batch 1 --heads 16
+profile-sparse: setup
+	mkdir -p data/raw/ncu
+	ncu --profile-from-start off --clock-control none $(DECODE_SECTIONS) $(PROFILE) --impl best --causal \
+	    $(SPARSE_SHAPE) > data/raw/ncu/ncu_sparse_window.txt 2>&1
+	for w in 256 512 2048; do ncu --profile-from-start off --clock-control none $(DECODE_SECTIONS) $(PROFILE) \
+	    --impl hopper_window --window $$w $(SPARSE_SHAPE); done >> data/raw/ncu/ncu_sparse_window.txt 2>&1
 
 profile-decode: setup
 	mkdir -p data/raw/ncu

@@ -434,3 +434,23 @@ def test_workspace_grows_and_keeps_its_buffers(stand_in):
     c = ws.get("x", (10,), np.float32)  # larger: a new buffer
     assert c.shape == (10,) and ws.nbytes == 40
     assert decoding.NULL_POINTER == 0
+
+
+def test_bench_profile_brackets_one_window_call_of_the_kernel_asked_for(stand_in, monkeypatch, capsys):
+    """``bench profile --window W``: the forward of a block-sparse kernel with a causal window of W keys, called once
+    to warm up and once between the profiler's start and stop; anything but a forward of one of the package's
+    kernels is refused."""
+    from flashlab.bench import profile
+
+    cp = stand_in.cp
+    events: list = []
+    cp.cuda.profiler = types.SimpleNamespace(start=lambda: events.append("start"), stop=lambda: events.append("stop"))
+    monkeypatch.setattr(fgpu, "attention", lambda q, k, v, **kw: events.append((q.shape, kw)))
+    assert profile.main(["--impl", "hopper_window", "--window", "256", "--d", "64", "--n", "300", "--batch", "1",
+                         "--heads", "2"]) == 0
+    call = ((1, 2, 300, 64), {"window": (256, 0), "kernel": "hopper_window"})
+    assert events == [call, "start", call, "stop"]
+    assert "profiled hopper_window shape=(1, 2, 300, 64) causal=False window=256" in capsys.readouterr().out
+    for bad in (["--impl", "sdpa_flash"], ["--impl", "mma", "--pass", "decode"]):
+        with pytest.raises(SystemExit, match="--window profiles the forward of a block-sparse kernel"):
+            profile.main([*bad, "--window", "256", "--n", "64", "--batch", "1", "--heads", "1"])

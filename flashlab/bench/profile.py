@@ -121,6 +121,9 @@ def parser() -> argparse.ArgumentParser:
                         "sdpa_flash), the forward outputs made before the profiled range; decode: one decoding step "
                         "of the split kernel IMPL (mma, keys or rows) with its default split count, --n query "
                         "tokens against a cache of --m keys")
+    p.add_argument("--window", type=int, default=None, metavar="W",
+                   help="forward: a causal sliding window of W keys (attention(..., window=(W, 0), kernel=IMPL), "
+                        "IMPL a block-sparse kernel such as hopper_window, or best)")
     p.add_argument("--kv-heads", type=int, default=None, help="K/V heads (default: --heads)")
     p.add_argument("--m", type=int, default=None, help="keys (default: --n)")
     return p
@@ -173,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(prov, indent=1))
         return 0
     args = parser().parse_args(argv)
+    if args.window is not None and (args.which != "forward" or args.impl in ("cupy_naive", "sdpa_flash")):
+        raise SystemExit("--window profiles the forward of a block-sparse kernel of flashlab.gpu (e.g. hopper_window)")
     import cupy as cp
 
     from ..gpu import attention, naive_attention
@@ -201,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         def run():
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=args.causal)
+    elif args.window is not None:
+        def run():
+            return attention(q, k, v, window=(args.window, 0), kernel=args.impl)
     else:
         def run():
             return attention(q, k, v, causal=args.causal, kernel=args.impl)
@@ -213,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     cp.cuda.profiler.stop()
     which = "" if args.which == "forward" else f" {args.which}"
     kv = f" kv_shape={kv_shape}" if kv_shape != shape else ""
-    print(f"profiled {args.impl} shape={shape}{kv} causal={args.causal}{which}")
+    window = "" if args.window is None else f" window={args.window}"
+    print(f"profiled {args.impl} shape={shape}{kv} causal={args.causal}{window}{which}")
     return 0
 
