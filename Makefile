@@ -237,8 +237,8 @@ profile-sparse: setup
 	mkdir -p data/raw/ncu
 	ncu --profile-from-start off --clock-control none $(DECODE_SECTIONS) $(PROFILE) --impl best --causal \
 	    $(SPARSE_SHAPE) > data/raw/ncu/ncu_sparse_window.txt 2>&1
-	for w in 256 512 2048; do ncu --profile-from-start off --clock-control none $(DECODE_SECTIONS) $(PROFILE) \
-	    --impl hopper_window --window $$w $(SPARSE_SHAPE); done >> data/raw/ncu/ncu_sparse_window.txt 2>&1
+	$(foreach w,256 512 2048,ncu --profile-from-start off --clock-control none $(DECODE_SECTIONS) $(PROFILE) \
+	    --impl hopper_window --window $(w) $(SPARSE_SHAPE) >> data/raw/ncu/ncu_sparse_window.txt 2>&1;)
 
 profile-decode: setup
 	mkdir -p data/raw/ncu

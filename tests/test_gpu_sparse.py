@@ -952,3 +952,28 @@ def test_the_notes_state_the_recorded_block_sparse_run():
     assert f"here on the same {model}" in lesson
     measured = "".join(next(c for c in cells if c.get("id") == "sparse-gpu-measured-text")["source"])
     assert measured.startswith(f"**Measured on an {model}**")
+
+
+def test_the_notes_read_the_narrow_window_profile():
+    """docs/kernels.md's reading of data/raw/ncu/ncu_sparse_window.txt (make profile-sparse): each kernel's DRAM and SM
+    throughput as Nsight Compute printed them, neither saturated at the narrow windows, and the issue rate alike."""
+    import re
+
+    from flashlab import records
+
+    text = (records.DATA_DIR / "raw" / "ncu" / "ncu_sparse_window.txt").read_text()
+    notes = " ".join((fgpu.KERNEL_DIR.parents[2] / "docs" / "kernels.md").read_text().split())
+    got = {}
+    for part in re.split(r"^profiled ", text, flags=re.M)[1:]:
+        head = part.splitlines()[0]
+        window = re.search(r"window=(\d+)", head)
+        values = {name: float(re.search(rf"^\s+{re.escape(name)}\s+(?:[^\d\s]\S*\s+)?([\d.]+)\s*$", part, re.M)[1])
+                  for name in ("DRAM Throughput", "Compute (SM) Throughput", "Issued Warp Per Scheduler")}
+        got[int(window[1]) if window else "causal"] = values
+    assert set(got) == {"causal", 256, 512, 2048}
+    pct = {k: (round(v["DRAM Throughput"]), round(v["Compute (SM) Throughput"])) for k, v in got.items()}
+    assert (f"keeps DRAM {pct[256][0]} % busy and the SMs {pct[256][1]} % at w = 256, {pct[512][0]} % and "
+            f"{pct[512][1]} % at w = 512, {pct[2048][0]} % and {pct[2048][1]} % at w = 2048, against "
+            f"{pct['causal'][0]} % and {pct['causal'][1]} % for dense causal") in notes
+    assert all(d < 60 and sm < 75 for d, sm in pct.values())  # "neither memory nor the SMs saturated"
+    assert all(abs(v["Issued Warp Per Scheduler"] - 0.43) < 0.03 for v in got.values())  # "about 0.43 ... in all four"
