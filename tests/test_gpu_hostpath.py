@@ -399,6 +399,14 @@ def test_a_planned_decode_step_through_the_driver_passes_cupys_arguments_slot_fo
     # each thread made the context current once per kernel, before its first block: the main thread, then the other
     assert len(bound) == 4 and bound[:2] == [threading.get_ident()] * 2 and bound[2] == bound[3] != bound[0]
 
+    # the handles of the streams launched on are kept, but not without bound (a stream per request)
+    split = step.split_launch
+    _, address = split.block()
+    for stream in range(1, 3 * decoding.STREAMS_KEPT):
+        split.launch(address, stream)
+        assert 0 < len(split._handles) <= decoding.STREAMS_KEPT
+    assert launched[-1][3] == ("stream", 3 * decoding.STREAMS_KEPT - 1)
+
     driver.failure = 700  # what the driver returns is checked
     with pytest.raises(RuntimeError, match="through the driver failed: 700"):
         fgpu.decode(q, kc, vc, out=out, workspace=ws, num_splits=7)

@@ -353,6 +353,8 @@ class _DriverLaunch:
 
     def _handle(self, stream: int):
         cu = self._cu
+        if len(self._handles) >= STREAMS_KEPT:  # a process that makes a stream per request: remade when needed
+            self._handles.clear()
         # CuPy's null stream (pointer 0) is the legacy default stream; named as such (CU_STREAM_LEGACY, 0x1), so that
         # a driver binding set to a per-thread default stream does not take 0 to mean that one instead
         handle = cu.CUstream(0x1 if stream == 0 else stream)
@@ -413,6 +415,7 @@ def _driver_launch(kern, grid, threads: int, count: int, fixed: dict[int, int] |
         return None
 
 
+STREAMS_KEPT = 64  # streams a launch keeps the driver's handle of (a handle costs microseconds to make)
 DEPENDENT_MERGE_MIN_CC = 90  # griddepcontrol: programmatic dependent launch, Hopper on
 MERGE_ARGS = 5  # o_parts, lse_parts, o, lse, num_splits
 SPLIT_ARGS = 13  # q, k, v, lengths, o_parts, lse_parts, n, m, H, Hk, split length, scale, causal
