@@ -95,7 +95,7 @@ def _run_decode(monkeypatch, rounds: int, broken=(), extra=()):
 
     monkeypatch.setattr(fgpu, "decode", decode)
     monkeypatch.setattr(decoding, "default_splits_here", lambda *a: 7)
-    monkeypatch.setattr(bdecode, "copy_ms", lambda nbytes, repeat, warmup: 1.0)
+    monkeypatch.setattr(bdecode, "copy_gbps", lambda nbytes, repeat, warmup: 2 * nbytes / 1e6)  # a copy of 1 ms
     args = bdecode.parser().parse_args(["--m", "64", "--heads", "2", "--kernels", "rows", "keys", "--splits", "4",
                                         "--repeat", "3", "--warmup", "1", "--rounds", str(rounds), *extra])
     rows: list[dict] = []

@@ -551,6 +551,15 @@ def test_chapter_8_fused_decoding_section_holds_to_the_record_and_the_profile():
     assert decoding.KERNELS.index("mma") < decoding.KERNELS.index("fused")
 
 
+def ch8_section(measured: str, reading: str) -> tuple[str, str, str]:
+    """Chapter 8's setup and one measured cell run: (what it printed, the reading cell's text, docs/kernels.md with
+    its whitespace collapsed)."""
+    ns: dict = {}
+    run_cells(CH8, ["dc4264cb"], ns)
+    printed = run_cells(CH8, [measured], ns)
+    return printed, text(cell_by_id(CH8, reading)), " ".join((ROOT / "docs" / "kernels.md").read_text().split())
+
+
 def test_chapter_8_dependent_merge_section_and_docs_hold_to_its_record():
     """The dependent launch of the merge kernel: the measured cell prints the record's steps, and the reading ("less
     than a microsecond"; cuDNN "about 1 % behind" back to back and behind the course's step under latency; SDPA's own
@@ -561,12 +570,8 @@ def test_chapter_8_dependent_merge_section_and_docs_hold_to_its_record():
     rows = [r for r in rec["rows"] if r.get("impl", "").startswith("mma")]
     assert {r["merge_launch"] for r in rows if r["impl"] == "mma_dependent_merge"} == {"dependent"}
     assert {r["merge_launch"] for r in rows if r["impl"] == "mma"} == {"ordinary"}
-    ns: dict = {}
-    run_cells(CH8, ["dc4264cb"], ns)
-    printed = run_cells(CH8, ["decode-dependent-measured"], ns)
+    printed, reading, docs = ch8_section("decode-dependent-measured", "decode-dependent-reading")
     assert rec["provenance"]["gpu"] in printed and rec["provenance"]["command"] in printed
-    reading = text(cell_by_id(CH8, "decode-dependent-reading"))
-    docs = " ".join((ROOT / "docs" / "kernels.md").read_text().split())
     for p in records.PROTOCOLS:
         plain, dep, cudnn, own = (us[i, p] for i in ("mma", "mma_dependent_merge", "sdpa_cudnn", "sdpa"))
         assert abs(dep - plain) < 1.0  # "by less than a microsecond under either protocol"
@@ -600,11 +605,7 @@ def test_chapter_8_host_section_and_docs_hold_to_the_host_record():
     rec = records.read_record("benchmarks/host_decode")
     us = {(r["op"], r["version"], r["call"]): r["host_us"] for r in rec["rows"]}
     before = next(v for v in dict.fromkeys(r["version"] for r in rec["rows"]) if v != "current")
-    ns: dict = {}
-    run_cells(CH8, ["dc4264cb"], ns)
-    printed = run_cells(CH8, ["decode-host-measured"], ns)
-    reading = text(cell_by_id(CH8, "decode-host-reading"))
-    docs = " ".join((ROOT / "docs" / "kernels.md").read_text().split())
+    printed, reading, docs = ch8_section("decode-host-measured", "decode-host-reading")
     assert "two to three microseconds less on the host, plain or preallocated" in reading
     for call in ("plain", "preallocated"):
         old, new = us["decode", before, call], us["decode", "current", call]
@@ -625,11 +626,7 @@ def test_chapter_8_both_shapes_section_holds_to_its_records():
     """The step at both shapes as a caller runs it: the cell prints each record's ratios, and the reading holds:
     ahead of SDPA's fastest backend under latency at both shapes, about the copy bandwidth, "one to two per cent
     behind" back to back, and from another GPU than the chapter's first decoding record."""
-    ns: dict = {}
-    run_cells(CH8, ["dc4264cb"], ns)
-    printed = run_cells(CH8, ["decode-floor-measured"], ns)
-    reading = text(cell_by_id(CH8, "decode-floor-reading"))
-    docs = " ".join((ROOT / "docs" / "kernels.md").read_text().split())
+    printed, reading, docs = ch8_section("decode-floor-measured", "decode-floor-reading")
     assert "a step takes at most 1.06× the read-once time at both shapes and is ahead of SDPA's best backend" in docs
     assert "ahead of SDPA's fastest backend under latency at both shapes" in reading
     assert "one to two per cent behind" in reading

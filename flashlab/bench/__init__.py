@@ -156,14 +156,14 @@ def timed_row(base: dict, ms: float, flop: float, repeat: int, err: float | None
             "max_abs_diff": err, "diff_against": diff_against, "extra_bytes": int(extra_bytes)}
 
 
-def copy_ms(nbytes: int, repeat: int, warmup: int) -> float:
-    """Median ms of a device-to-device copy of ``nbytes`` (CuPy): it reads and writes ``nbytes``, so ``2 nbytes``
-    over it is the copy bandwidth, the benchmarks' measure of what this GPU's memory delivers in the same run."""
+def copy_gbps(nbytes: int, repeat: int, warmup: int) -> float:
+    """The copy bandwidth in GB/s, the benchmarks' measure of what this GPU's memory delivers in the same run: a
+    device-to-device copy of ``nbytes`` (CuPy, median of ``repeat``) reads and writes ``nbytes``, 2 ``nbytes`` moved."""
     import cupy as cp
 
     src = cp.ones(nbytes // 2, dtype=cp.float16)
     dst = cp.empty_like(src)
-    return records.median_ms(lambda: cp.copyto(dst, src), repeat, warmup)
+    return 2 * nbytes / (records.median_ms(lambda: cp.copyto(dst, src), repeat, warmup) * 1e-3) / 1e9
 
 
 def max_diff(a, b) -> float:

@@ -23,7 +23,7 @@ from ..gpu import decoding
 from . import (
     add_protocols,
     add_rounds,
-    copy_ms,
+    copy_gbps,
     error_line,
     gpu_main,
     max_diff,
@@ -58,13 +58,12 @@ def _decode_one(args, m: int, rows: list[dict], rng) -> None:
     q = rng.standard_normal((B, H, nq, d), dtype=cp.float32).astype(cp.float16)
     k, v = (rng.standard_normal((B, Hk, m, d), dtype=cp.float32).astype(cp.float16) for _ in range(2))
     kv_bytes = 2 * k.nbytes
-    copied = copy_ms(k.nbytes, args.repeat, args.warmup)  # a copy of one of K, V reads and writes k.nbytes
-    copy_gbps = 2 * k.nbytes / (copied * 1e-3) / 1e9
-    read_once_ms = kv_bytes / (copy_gbps * 1e9) * 1e3
+    gbps = copy_gbps(k.nbytes, args.repeat, args.warmup)  # a copy of one of K, V
+    read_once_ms = kv_bytes / (gbps * 1e9) * 1e3
     base = {"pass": "decode", "dtype": "float16", "d": d, "n": nq, "m": m, "batch": B, "heads": H,
-            "kv_heads": Hk, "kv_bytes": kv_bytes, "copy_gbps": round(copy_gbps, 1),
+            "kv_heads": Hk, "kv_bytes": kv_bytes, "copy_gbps": round(gbps, 1),
             "read_once_ms": round(read_once_ms, 5)}
-    print(f"# m={m}: KV cache {kv_bytes / 1e6:.1f} MB, copy bandwidth {copy_gbps:.0f} GB/s -> copy time "
+    print(f"# m={m}: KV cache {kv_bytes / 1e6:.1f} MB, copy bandwidth {gbps:.0f} GB/s -> copy time "
           f"{read_once_ms * 1e3:.1f} us")
     ref, _ = fgpu.decode(q, k, v, num_splits=1, kernel="rows")
     out = (cp.empty_like(q), cp.empty(q.shape[:-1], dtype=cp.float32))

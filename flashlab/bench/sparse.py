@@ -44,7 +44,7 @@ import time
 import numpy as np
 
 from .. import blocksparse, records
-from . import add_protocols, copy_ms, error_line, gpu_main, max_diff, record_parser
+from . import add_protocols, copy_gbps, error_line, gpu_main, max_diff, record_parser
 
 OUT_DIR = records.DATA_DIR / "benchmarks"
 TILE = (128, 64)  # the window kernel's tiles (flashlab.gpu.SPARSE_TILES): what the density is counted in
@@ -208,8 +208,7 @@ def _one_length(args, rows: list[dict], q, k, v, flex: Flex | None, why_not: str
     B, H, n, d = q.shape
     o = cp.empty_like(q)
     lse = cp.empty(q.shape[:-1], dtype=cp.float32)
-    copied = copy_ms(q.nbytes, args.repeat, args.warmup)
-    gbps = 2 * q.nbytes / (copied * 1e-3) / 1e9
+    gbps = copy_gbps(q.nbytes, args.repeat, args.warmup)
     io_bytes = 4 * q.nbytes + lse.nbytes  # Q, K, V read and O, lse written, once each
     base = {"pass": "forward", "dtype": "float16", "d": d, "n": n, "batch": B, "heads": H, "copy_gbps": round(gbps, 1),
             "io_bytes": io_bytes, "floor_ms": round(io_bytes / (gbps * 1e9) * 1e3, 5)}

@@ -46,7 +46,6 @@ from . import (
     Workspace,
     _check_half_launch,
     _check_inputs,
-    _check_out,
     _cupy,
     _device_id,
     choose,
@@ -54,6 +53,9 @@ from . import (
     kernel_function,
     launch_problem,
     sm_count,
+)
+from . import (
+    _outputs as _checked_outputs,
 )
 
 KERNEL_FILE = "decode_r1_split.cu"  # the "rows" split kernel and the merge kernel both versions use
@@ -425,21 +427,20 @@ def _merge_launch(merge, grid, asked: bool | None, cc: int):
     """How this step launches its merge kernel: a ``_DriverLaunch`` (dependent or not), or None for CuPy's launch.
     ``asked`` None takes the dependent launch where it can run (sm_90 on, cuda-bindings installed), False never,
     True or an error saying why not."""
-    if asked is False:
-        return None if merge is None else _driver_launch(merge, grid, MERGE_THREADS, MERGE_ARGS)
-    if merge is None:
-        why = "kernel='fused' merges inside its own launch; there is no merge kernel to launch"
-    elif cc < DEPENDENT_MERGE_MIN_CC:
-        why = f"programmatic dependent launch needs sm_{DEPENDENT_MERGE_MIN_CC} or later; this GPU is sm_{cc}"
-    elif not hasattr(merge, "kernel"):  # not a kernel CuPy compiled (the host emulation's): no driver function
-        why = "the merge kernel is not a CuPy RawKernel, so it has no driver function to launch"
-    else:
-        try:
-            return _DriverLaunch(merge, grid, MERGE_THREADS, MERGE_ARGS, dependent=True)
-        except ImportError as e:
-            why = str(e)
-    if asked:
-        raise ValueError(f"dependent_merge=True: {why}")
+    if asked is not False:
+        if merge is None:
+            why = "kernel='fused' merges inside its own launch; there is no merge kernel to launch"
+        elif cc < DEPENDENT_MERGE_MIN_CC:
+            why = f"programmatic dependent launch needs sm_{DEPENDENT_MERGE_MIN_CC} or later; this GPU is sm_{cc}"
+        elif not hasattr(merge, "kernel"):  # not a kernel CuPy compiled (the host emulation's): no driver function
+            why = "the merge kernel is not a CuPy RawKernel, so it has no driver function to launch"
+        else:
+            try:
+                return _DriverLaunch(merge, grid, MERGE_THREADS, MERGE_ARGS, dependent=True)
+            except ImportError as e:
+                why = str(e)
+        if asked:
+            raise ValueError(f"dependent_merge=True: {why}")
     return None if merge is None else _driver_launch(merge, grid, MERGE_THREADS, MERGE_ARGS)
 
 
@@ -569,13 +570,10 @@ def _plan_step(q, k_cache, v_cache, bf16: bool, kernel: str, num_splits: int | N
 
 
 def _outputs(cp, q, out, fused: bool):
-    """(o, lse) of a decoding step: new arrays, or ``out`` checked to be what the step would have made."""
-    if out is None:
-        return cp.empty_like(q), cp.empty(q.shape[:-1], dtype=cp.float32)
-    o, lse = out
-    _check_out("out[0]", o, q.shape, q.dtype)
-    _check_out("out[1]", lse, q.shape[:-1], cp.float32)
-    if fused and o.data.ptr % 16:  # "fused": its root block stores o 8 or 4 bytes at a time
+    """(o, lse) of a decoding step: new arrays, or ``out`` checked to be what the step would have made (as
+    ``attention``'s, and for "fused" aligned)."""
+    o, lse = _checked_outputs(q, out)
+    if fused and out is not None and o.data.ptr % 16:  # "fused": its root block stores o 8 or 4 bytes at a time
         raise ValueError("out[0] must start on a 16-byte boundary for kernel='fused' (it stores several elements "
                          "at a time); a fresh CuPy array does")
     return o, lse
