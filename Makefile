@@ -231,7 +231,8 @@ profile-stream-k: setup
 	    $(PROFILE) --impl $$impl --d 128 --n 4096 --batch 4; done > data/raw/ncu/ncu_stream_k_tail.csv 2>&1
 
 # Block-sparse (H100, H200): the Hopper window kernel at the narrow windows where time per tile misses dense
-# causal's, beside dense causal itself; the sections say where an output tile's time goes (stalls, memory, issue).
+# causal's, beside dense causal itself; the sections say where an output tile's time goes (memory, issue), the stall
+# counters (one CSV, summarized into data/ncu/stalls_sparse_window.json) why its warps wait.
 SPARSE_SHAPE := --d 128 --n 16384 --batch 1 --heads 16
 profile-sparse: setup
 	mkdir -p data/raw/ncu
@@ -239,6 +240,12 @@ profile-sparse: setup
 	    $(SPARSE_SHAPE) > data/raw/ncu/ncu_sparse_window.txt 2>&1
 	$(foreach w,256 512 2048,ncu --profile-from-start off --clock-control none $(DECODE_SECTIONS) $(PROFILE) \
 	    --impl hopper_window --window $(w) $(SPARSE_SHAPE) >> data/raw/ncu/ncu_sparse_window.txt 2>&1;)
+	mkdir -p build data/ncu
+	$(PROFILE) provenance --command "make profile-sparse" > build/ncu_provenance.json
+	$(NCU) $(GMMA_STALLS) $(PROFILE) --impl best --causal $(SPARSE_SHAPE) > data/raw/ncu/ncu_sparse_stalls.csv
+	$(foreach w,256 512 2048,$(NCU) $(GMMA_STALLS) $(PROFILE) --impl hopper_window --window $(w) $(SPARSE_SHAPE) \
+	    >> data/raw/ncu/ncu_sparse_stalls.csv &&) true
+	$(call ncu_summary,ncu_sparse_stalls.csv,stalls_sparse_window)
 
 profile-decode: setup
 	mkdir -p data/raw/ncu

@@ -39,6 +39,7 @@ NCU_SUMMARIES = {
     "ncu/stalls_bwd_pipe": "raw/ncu/ncu_bwd_pipe.csv",
     "ncu/stalls_bwd_sdpa_flash": "raw/ncu/ncu_bwd_sdpa.csv",
     "ncu/stalls_bwd_wgmma": "raw/ncu/ncu_bwd_wgmma.csv",
+    "ncu/stalls_sparse_window": "raw/ncu/ncu_sparse_stalls.csv",
 }
 # the tile-size sweeps behind the rungs' default tiles (docs/kernels.md)
 TUNE = ("benchmarks/tune_exp2_tiles", "benchmarks/tune_warp32", "benchmarks/tune_lean")

@@ -976,4 +976,22 @@ def test_the_notes_read_the_narrow_window_profile():
             f"{pct[512][1]} % at w = 512, {pct[2048][0]} % and {pct[2048][1]} % at w = 2048, against "
             f"{pct['causal'][0]} % and {pct['causal'][1]} % for dense causal") in notes
     assert all(d < 60 and sm < 75 for d, sm in pct.values())  # "neither memory nor the SMs saturated"
+    # the stall counters of the same target: as many stall cycles per instruction, more of them on the long scoreboard
+    from flashlab.bench import profile
+
+    stalls = {}
+    for proc in records.read_record("ncu/stalls_sparse_window")["processes"]:
+        window = re.search(r"window=(\d+)", proc["profiled"])
+        stalls[int(window[1]) if window else "causal"] = proc["metrics"]
+    assert set(stalls) == set(got)
+    cycles = [profile.stall_cycles(m) for m in stalls.values()]
+    assert f"at every width ({min(cycles):.1f}–{max(cycles):.1f})" in notes
+    lsb = {k: m[profile.STALL.format("long_scoreboard")] for k, m in stalls.items()}
+    tensor = {k: round(m["sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"])
+              for k, m in stalls.items()}
+    assert lsb[256] > lsb[512] > lsb[2048]
+    assert (f"grow from {lsb[2048]:.2f} cycles per instruction at w = 2048 and for dense causal to {lsb[512]:.2f} at "
+            f"w = 512 and {lsb[256]:.2f} at w = 256, while the tensor pipe is busy {tensor[2048]} %, {tensor[512]} % "
+            f"and {tensor[256]} % of the time ({tensor['causal']} % for dense causal)") in notes
+    assert abs(lsb["causal"] - lsb[2048]) < 0.01
     assert all(abs(v["Issued Warp Per Scheduler"] - 0.43) < 0.03 for v in got.values())  # "about 0.43 ... in all four"

@@ -30,8 +30,9 @@ from . import PROG
 def summarize(csv_text: str) -> list[dict]:
     """Sum Nsight Compute's ``--csv`` metrics over the kernels of each profiled process (one per impl).
 
-    Returns one dict per process, in order: the impl (from this script's "profiled ..." line), the kernels it
-    launched, and every metric summed over them (e.g. dram__bytes_read.sum in bytes).
+    Returns one dict per process, in order: the impl and the whole "profiled ..." line this script printed (the
+    shape and, for a block-sparse kernel, the window tell apart runs of one impl), the kernels it launched, and
+    every metric summed over them (e.g. dram__bytes_read.sum in bytes).
     """
     out: list[dict] = []
     by_pid: dict[str, dict] = {}
@@ -45,7 +46,7 @@ def summarize(csv_text: str) -> list[dict]:
             continue
         line = ",".join(row)
         if line.startswith("profiled "):
-            pending_impl.append(line.split()[1])
+            pending_impl.append(line)
             continue
         if header is None or len(row) != len(header):
             continue
@@ -63,8 +64,9 @@ def summarize(csv_text: str) -> list[dict]:
         except ValueError:
             pass
     # The "profiled IMPL" line is printed by each process after its kernels ran; pair them in order.
-    for entry, impl in zip(out, pending_impl, strict=False):
-        entry["impl"] = impl
+    for entry, profiled in zip(out, pending_impl, strict=False):
+        entry["impl"] = profiled.split()[1]
+        entry["profiled"] = profiled
         entry["metrics"] = dict(entry["metrics"])
     return out
 
