@@ -998,6 +998,6 @@ def test_the_notes_read_the_narrow_window_profile():
     assert lsb[256] > lsb[512] > lsb[2048]
     assert (f"grow from {lsb[2048]:.2f} cycles per instruction at w = 2048 and for dense causal to {lsb[512]:.2f} at "
             f"w = 512 and {lsb[256]:.2f} at w = 256, while the tensor pipe is busy {tensor[2048]} %, {tensor[512]} % "
-            f"and {tensor[256]} % of the time ({tensor['causal']} % for dense causal)") in notes
+            f"and {tensor[256]} % of the time ({tensor['causal']} % for dense causal;") in notes
     assert abs(lsb["causal"] - lsb[2048]) < 0.01
     assert all(abs(v["Issued Warp Per Scheduler"] - 0.43) < 0.03 for v in got.values())  # "about 0.43 ... in all four"
