@@ -235,12 +235,11 @@ profile-stream-k: setup
 # counters (one CSV, summarized into data/ncu/stalls_sparse_window.json) why its warps wait.
 SPARSE_SHAPE := --d 128 --n 16384 --batch 1 --heads 16
 profile-sparse: setup
-	mkdir -p data/raw/ncu
+	mkdir -p build data/raw/ncu data/ncu
 	ncu --profile-from-start off --clock-control none $(DECODE_SECTIONS) $(PROFILE) --impl best --causal \
 	    $(SPARSE_SHAPE) > data/raw/ncu/ncu_sparse_window.txt 2>&1
 	$(foreach w,256 512 2048,ncu --profile-from-start off --clock-control none $(DECODE_SECTIONS) $(PROFILE) \
 	    --impl hopper_window --window $(w) $(SPARSE_SHAPE) >> data/raw/ncu/ncu_sparse_window.txt 2>&1;)
-	mkdir -p build data/ncu
 	$(PROFILE) provenance --command "make profile-sparse" > build/ncu_provenance.json
 	$(NCU) $(GMMA_STALLS) $(PROFILE) --impl best --causal $(SPARSE_SHAPE) > data/raw/ncu/ncu_sparse_stalls.csv
 	$(foreach w,256 512 2048,$(NCU) $(GMMA_STALLS) $(PROFILE) --impl hopper_window --window $(w) $(SPARSE_SHAPE) \

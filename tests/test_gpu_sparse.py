@@ -922,9 +922,9 @@ def test_the_notes_state_the_recorded_block_sparse_run():
     assert all(flex[(records.protocol_of(r), r["n"], r["pattern"])] > r["median_ms"] for r in ok
                if r["impl"].startswith("hopper_"))  # "faster on every pattern, n and protocol"
     # the sm_80 kernels against FlexAttention: where they lose, by protocol, and that they win everywhere else
-    loses = {(r["impl"], records.protocol_of(r), r["n"], r["pattern"]) for r in ok if r["impl"].startswith("sparse_")
-             and flex[(records.protocol_of(r), r["n"], r["pattern"])] < r["median_ms"]}
-    sm80 = {(r["impl"], records.protocol_of(r), r["n"], r["pattern"]) for r in ok if r["impl"].startswith("sparse_")}
+    sm80 = {(r["impl"], records.protocol_of(r), r["n"], r["pattern"]): r["median_ms"] for r in ok
+            if r["impl"].startswith("sparse_")}
+    loses = {key for key, ms in sm80.items() if flex[key[1:]] < ms}
     expected = {(impl, p, n, pat) for impl, p, n, pat in sm80 if pat.startswith("window ") and (
         (p == "throughput" and (int(pat.split()[1]) >= 2048
                                 or (impl == "sparse_window" and n == 65536 and pat == "window 1024")))
@@ -966,16 +966,19 @@ def test_the_notes_read_the_narrow_window_profile():
     import re
 
     from flashlab import records
+    from flashlab.bench import profile
+
+    def width(profiled: str):  # the window of a "profiled ..." line, "causal" for dense causal
+        window = re.search(r"window=(\d+)", profiled)
+        return int(window[1]) if window else "causal"
 
     text = (records.DATA_DIR / "raw" / "ncu" / "ncu_sparse_window.txt").read_text()
     notes = " ".join((fgpu.KERNEL_DIR.parents[2] / "docs" / "kernels.md").read_text().split())
     got = {}
     for part in re.split(r"^profiled ", text, flags=re.M)[1:]:
-        head = part.splitlines()[0]
-        window = re.search(r"window=(\d+)", head)
         values = {name: float(re.search(rf"^\s+{re.escape(name)}\s+(?:[^\d\s]\S*\s+)?([\d.]+)\s*$", part, re.M)[1])
                   for name in ("DRAM Throughput", "Compute (SM) Throughput", "Issued Warp Per Scheduler")}
-        got[int(window[1]) if window else "causal"] = values
+        got[width(part.splitlines()[0])] = values
     assert set(got) == {"causal", 256, 512, 2048}
     pct = {k: (round(v["DRAM Throughput"]), round(v["Compute (SM) Throughput"])) for k, v in got.items()}
     assert (f"keeps DRAM {pct[256][0]} % busy and the SMs {pct[256][1]} % at w = 256, {pct[512][0]} % and "
@@ -983,12 +986,8 @@ def test_the_notes_read_the_narrow_window_profile():
             f"{pct['causal'][0]} % and {pct['causal'][1]} % for dense causal") in notes
     assert all(d < 60 and sm < 75 for d, sm in pct.values())  # "neither memory nor the SMs saturated"
     # the stall counters of the same target: as many stall cycles per instruction, more of them on the long scoreboard
-    from flashlab.bench import profile
-
-    stalls = {}
-    for proc in records.read_record("ncu/stalls_sparse_window")["processes"]:
-        window = re.search(r"window=(\d+)", proc["profiled"])
-        stalls[int(window[1]) if window else "causal"] = proc["metrics"]
+    stalls = {width(proc["profiled"]): proc["metrics"]
+              for proc in records.read_record("ncu/stalls_sparse_window")["processes"]}
     assert set(stalls) == set(got)
     cycles = [profile.stall_cycles(m) for m in stalls.values()]
     assert f"at every width ({min(cycles):.1f}–{max(cycles):.1f})" in notes

@@ -37,7 +37,7 @@ def summarize(csv_text: str) -> list[dict]:
     out: list[dict] = []
     by_pid: dict[str, dict] = {}
     header = None
-    pending_impl = []
+    profiled_lines = []
     for row in csv.reader(io.StringIO(csv_text)):
         if not row:
             continue
@@ -46,7 +46,7 @@ def summarize(csv_text: str) -> list[dict]:
             continue
         line = ",".join(row)
         if line.startswith("profiled "):
-            pending_impl.append(line)
+            profiled_lines.append(line)
             continue
         if header is None or len(row) != len(header):
             continue
@@ -64,7 +64,7 @@ def summarize(csv_text: str) -> list[dict]:
         except ValueError:
             pass
     # The "profiled IMPL" line is printed by each process after its kernels ran; pair them in order.
-    for entry, profiled in zip(out, pending_impl, strict=False):
+    for entry, profiled in zip(out, profiled_lines, strict=False):
         entry["impl"] = profiled.split()[1]
         entry["profiled"] = profiled
         entry["metrics"] = dict(entry["metrics"])

@@ -423,18 +423,24 @@ MERGE_ARGS = 5  # o_parts, lse_parts, o, lse, num_splits
 SPLIT_ARGS = 13  # q, k, v, lengths, o_parts, lse_parts, n, m, H, Hk, split length, scale, causal
 
 
+def _no_dependent_merge(merge, cc: int) -> str | None:
+    """Why this step's merge kernel cannot be launched as a dependent launch here, or None if it can be tried."""
+    if merge is None:
+        return "kernel='fused' merges inside its own launch; there is no merge kernel to launch"
+    if cc < DEPENDENT_MERGE_MIN_CC:
+        return f"programmatic dependent launch needs sm_{DEPENDENT_MERGE_MIN_CC} or later; this GPU is sm_{cc}"
+    if not hasattr(merge, "kernel"):  # not a kernel CuPy compiled (the host emulation's): no driver function
+        return "the merge kernel is not a CuPy RawKernel, so it has no driver function to launch"
+    return None
+
+
 def _merge_launch(merge, grid, asked: bool | None, cc: int):
     """How this step launches its merge kernel: a ``_DriverLaunch`` (dependent or not), or None for CuPy's launch.
     ``asked`` None takes the dependent launch where it can run (sm_90 on, cuda-bindings installed), False never,
     True or an error saying why not."""
     if asked is not False:
-        if merge is None:
-            why = "kernel='fused' merges inside its own launch; there is no merge kernel to launch"
-        elif cc < DEPENDENT_MERGE_MIN_CC:
-            why = f"programmatic dependent launch needs sm_{DEPENDENT_MERGE_MIN_CC} or later; this GPU is sm_{cc}"
-        elif not hasattr(merge, "kernel"):  # not a kernel CuPy compiled (the host emulation's): no driver function
-            why = "the merge kernel is not a CuPy RawKernel, so it has no driver function to launch"
-        else:
+        why = _no_dependent_merge(merge, cc)
+        if why is None:
             try:
                 return _DriverLaunch(merge, grid, MERGE_THREADS, MERGE_ARGS, dependent=True)
             except ImportError as e:
