@@ -533,6 +533,26 @@ def _module(file: str, defines: tuple[str, ...]):
     return _cupy().RawModule(code=(KERNEL_DIR / file).read_text(), options=("--std=c++17", *defines))
 
 
+# The oldest NVRTC (the CUDA toolkit's runtime compiler, which CuPy runs) that builds every kernel: 12.0 cannot
+# assemble the Hopper backward's vector reductions. tests/test_nvrtc_builds.py builds them all with 12.1 and 13.0.
+NVRTC_MIN = (12, 1)
+
+
+def nvrtc_advice() -> str:
+    """A sentence for a failed build when this machine's NVRTC is older than NVRTC_MIN, else ''."""
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        version = tuple(nvrtc.getVersion())
+    except Exception:  # noqa: BLE001 - no CuPy or no NVRTC: the build's own error says so
+        return ""
+    if version >= NVRTC_MIN:
+        return ""
+    return (f" This machine's NVRTC is {version[0]}.{version[1]}; the course's kernels need the runtime compiler of"
+            f" CUDA {NVRTC_MIN[0]}.{NVRTC_MIN[1]} or newer (update the CUDA toolkit, or pip install"
+            f" 'cupy-cuda12x[ctk]' for CuPy's own copy from PyPI).")
+
+
 def kernel_function(file: str, name: str, *, defines: tuple[str, ...] = (), shared_bytes: int = 0):
     """The kernel ``name`` of kernels/FILE compiled with ``defines``, loaded on the current device and allowed
     ``shared_bytes`` of dynamic shared memory: built and configured on the first call for a (file, defines, name,
@@ -542,7 +562,13 @@ def kernel_function(file: str, name: str, *, defines: tuple[str, ...] = (), shar
     key = (file, defines, name, _device_id(cp))
     kern = _FUNCTIONS.get(key)
     if kern is None:
-        kern = _module(file, defines).get_function(name)
+        try:
+            kern = _module(file, defines).get_function(name)
+        except Exception as e:  # CuPy's CompileException, which CuPy does not export under one name
+            advice = nvrtc_advice() if type(e).__name__ == "CompileException" else ""
+            if advice:
+                raise RuntimeError(f"{file} did not compile.{advice}") from e
+            raise
         if shared_bytes > STATIC_SMEM_LIMIT:
             kern.max_dynamic_shared_size_bytes = shared_bytes
         _FUNCTIONS[key] = kern

@@ -31,7 +31,7 @@ import tempfile
 
 import numpy as np
 
-from . import HOPPER_SPARSE_FILE, KERNEL_DIR, cuda_driver, hopper_files_from, parse_resource_usage
+from . import HOPPER_SPARSE_FILE, KERNEL_DIR, cuda_driver, hopper_files_from, nvrtc_advice, parse_resource_usage
 
 HOPPER_DIR = KERNEL_DIR / "hopper"
 PREFIX = "hopper/"
@@ -74,7 +74,8 @@ def cubin(file: str, defines: tuple[str, ...] = ()) -> bytes:
         try:
             nvrtc.compileProgram(prog, (NVRTC_ARCH, "--std=c++17", *defines))
         except nvrtc.NVRTCError as e:
-            raise RuntimeError(f"NVRTC could not compile {file} for sm_90a:\n{nvrtc.getProgramLog(prog)}") from e
+            raise RuntimeError(f"NVRTC could not compile {file} for sm_90a.{nvrtc_advice()}\n"
+                               f"{nvrtc.getProgramLog(prog)}") from e
         return nvrtc.getCUBIN(prog)
     finally:
         nvrtc.destroyProgram(prog)
