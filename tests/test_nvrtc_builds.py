@@ -6,7 +6,7 @@ NVRTC 13.0 takes a generic lambda in device code for host code (an error), which
 cannot assemble the vector reductions (`red.global.add.v2.f32`) of the Hopper backward, which every later one can.
 So every kernel file is built here, with the options the package passes, by NVIDIA's NVRTC of the oldest CUDA the
 course supports (12.1) and of CUDA 13.0, both from their pip wheels (requirements-dev.txt) and loaded with ctypes:
-no GPU and no CuPy needed. The sm_80 files are built for each architecture they claim
+no GPU and no CuPy needed. The other files are built for each architecture they claim
 (flashlab.gpu.COMPILED_ARCHS), the Hopper files for sm_90a with their headers passed in memory, as
 flashlab.gpu.hopper.cubin does.
 """
