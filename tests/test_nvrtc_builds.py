@@ -22,7 +22,10 @@ import sys
 import types
 
 import pytest
-from test_kernels_compile import _jobs  # (the tests directory is on sys.path: pytest's rootdir import)
+
+# the builds nvcc makes in the two compile tests (the tests directory is on sys.path: pytest's rootdir import)
+from test_hopper_compile import FILES as HOPPER_FILES
+from test_kernels_compile import _jobs
 
 import flashlab.gpu as fgpu
 from flashlab.gpu import hopper
@@ -80,7 +83,7 @@ def _builds() -> list[tuple[str, tuple[str, ...], str]]:
     """(file, defines, architecture option) of every build: what tests/test_kernels_compile.py builds with nvcc,
     and each Hopper file for sm_90a."""
     builds = [(file, defines, f"-arch=sm_{arch}") for file, defines, arch in _jobs()]
-    return builds + [(f"hopper/{p.name}", (), hopper.NVRTC_ARCH) for p in sorted(hopper.HOPPER_DIR.glob("*.cu"))]
+    return builds + [(file, (), hopper.NVRTC_ARCH) for file in HOPPER_FILES]
 
 
 def test_the_builds_cover_every_kernel_file():

@@ -565,8 +565,7 @@ def kernel_function(file: str, name: str, *, defines: tuple[str, ...] = (), shar
         try:
             kern = _module(file, defines).get_function(name)
         except Exception as e:  # CuPy's CompileException, which CuPy does not export under one name
-            advice = nvrtc_advice() if type(e).__name__ == "CompileException" else ""
-            if advice:
+            if type(e).__name__ == "CompileException" and (advice := nvrtc_advice()):
                 raise RuntimeError(f"{file} did not compile.{advice}") from e
             raise
         if shared_bytes > STATIC_SMEM_LIMIT:
