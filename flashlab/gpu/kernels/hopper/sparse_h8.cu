@@ -159,18 +159,23 @@ __device__ void attn_sparse(const TensorMap* qmap, const TensorMap* kmap, const 
     if (role == 0) {  // ---------------------------------------------------------------- the producer
         setmaxnreg_dec<40>();
         if (threadIdx.x == 0) {
-            int it = 0, qi = 0;  // K/V tiles and output tiles with a computed tile, loaded by this block so far
-            int v = order_at(slot_of(0));
-            for (int j = 0, i = slot_of(0); i < ntiles_all; i = slot_of(++j)) {
-                const Tile w = tile_of(v);
-                v = order_at(slot_of(j + 1));
-                if (w.ntiles == 0) continue;  // no S reads its Q
-                const int hk = w.h / (H / Hk), qb = qi & 1;
-                // with residue classes, batch entry b' = b classes + c: class c of head-and-batch entry (b, h)
+            // The producer runs ahead of the consumers by what its barriers allow, and two orders buy it time.
+            // K of ring entry e goes out before V of entry e - 1: a K stage is free once its S has read it, a turn
+            // before its V, and issued behind V, K would wait for that V's product as well. The next output tile's
+            // Q goes out as soon as its buffer is free (that tile's Q is polled for during every wait) rather than
+            // after this tile's last K and V: at a window of 256 keys an output tile has three key tiles, and Q,
+            // read from DRAM once, arrived late behind them.
+            int it = 0, qi = 0;  // K tiles and Q tiles loaded by this block so far
+            // a pending V load (entry it - 1), and the next computed output tile, whose Q may go out early
+            struct Pending {
+                int st, k0, z, cls, ph;
+            } pv{};
+            bool has_pv = false, qnext_out = false;
+            Tile nxt{};
+            int j_next = 0;  // the slot index of nxt; past the end: none
+            // output tile w's 128 rows of Q into buffer qb
+            auto load_q = [&](const Tile& w, int qb) {
                 const int bb = w.b / classes, cls = w.b % classes;
-                if (qi >= 2)  // both consumers' last S of output tile qi - 2, which read this buffer, has completed
-                    while (!mbar_try_wait(qempty + 8 * qb, ((qi >> 1) + 1) & 1)) {
-                    }
                 mbar_expect_tx(qfull + 8 * qb, BR * D * 2);
 #pragma unroll
                 for (int c = 0; c < 2; ++c)
@@ -182,32 +187,67 @@ __device__ void attn_sparse(const TensorMap* qmap, const TensorMap* kmap, const 
                         else
                             tma_load_3d(qs0 + qb * BR * D * 2 + c * 64 * D * 2 + p * 64 * 128, qmap, 64 * p,
                                         w.q0 + 64 * c, w.b * H + w.h, qfull + 8 * qb);
-                ++qi;
-                // keys k0 .. k0 + BC - 1 of K or V into stage st of its ring, counted on that stage's barrier
-                auto load_keys = [&](u32 ring, const TensorMap* map, u32 full, int st, int k0) {
+            };
+            // Q of output tile qi (qi >= 2: both consumers' last S of output tile qi - 2, which read this buffer, has
+            // completed), without waiting: false if the buffer is still in use
+            auto q_free = [&](int q) { return q < 2 || mbar_try_wait(qempty + 8 * (q & 1), ((q >> 1) + 1) & 1); };
+            auto poll_q = [&]() {
+                if (!qnext_out && j_next >= 0 && q_free(qi)) {
+                    load_q(nxt, qi & 1);
+                    qnext_out = true;
+                }
+            };
+            auto wait_polling = [&](u32 bar, int ph) {
+                while (!mbar_try_wait(bar, ph)) poll_q();
+            };
+            // the first output tile from slot index j on with a computed key tile (-1: none)
+            auto next_computed = [&](int j, Tile& w) {
+                for (; slot_of(j) < ntiles_all; ++j) {
+                    w = tile_of(order_at(slot_of(j)));
+                    if (w.ntiles > 0) return j;
+                }
+                return -1;
+            };
+            // keys k0 .. k0 + BC - 1 of K or V into stage st of its ring, counted on that stage's barrier
+            auto load_keys = [&](u32 ring, const TensorMap* map, u32 full, int st, int k0, int z, int cls) {
 #pragma unroll
-                    for (int q = 0; q < D / 64; ++q)
-                        if (classes > 1)
-                            tma_load_4d(ring + st * BC * D * 2 + q * BC * 128, map, 64 * q, cls, k0, bb * Hk + hk,
-                                        full + 8 * st);
-                        else
-                            tma_load_3d(ring + st * BC * D * 2 + q * BC * 128, map, 64 * q, k0, w.b * Hk + hk,
-                                        full + 8 * st);
-                };
+                for (int q = 0; q < D / 64; ++q)
+                    if (classes > 1)
+                        tma_load_4d(ring + st * BC * D * 2 + q * BC * 128, map, 64 * q, cls, k0, z, full + 8 * st);
+                    else
+                        tma_load_3d(ring + st * BC * D * 2 + q * BC * 128, map, 64 * q, k0, z, full + 8 * st);
+            };
+            auto issue_v = [&]() {
+                if (pv.ph >= 0)  // P V of ring entry it - 1 - STAGES has read this stage's V
+                    wait_polling(emptyv + 8 * pv.st, pv.ph);
+                mbar_expect_tx(fullv + 8 * pv.st, BC * D * 2);
+                load_keys(vbuf, vmap, fullv, pv.st, pv.k0, pv.z, pv.cls);
+            };
+            j_next = next_computed(0, nxt);
+            while (j_next >= 0) {
+                const Tile w = nxt;
+                if (!qnext_out)  // not sent early: wait for its buffer
+                    while (!q_free(qi)) {
+                    }
+                if (!qnext_out) load_q(w, qi & 1);
+                ++qi;
+                j_next = next_computed(j_next + 1, nxt);
+                qnext_out = false;
+                const int hk = w.h / (H / Hk);
+                // with residue classes, batch entry b' = b classes + c: class c of head-and-batch entry (b, h)
+                const int bb = w.b / classes, cls = w.b % classes, z = classes > 1 ? bb * Hk + hk : w.b * Hk + hk;
                 for (int t = 0, p = next_from(w, w.pbeg); t < w.ntiles; ++t, ++it, p = next_from(w, p + 1)) {
                     const int st = it % STAGES, k0 = key_tile(p) * BC, ph = ((it / STAGES) + 1) & 1;
                     if (it >= STAGES)  // S of ring entry it - STAGES has read this stage's K
-                        while (!mbar_try_wait(emptyk + 8 * st, ph)) {
-                        }
+                        wait_polling(emptyk + 8 * st, ph);
                     mbar_expect_tx(fullk + 8 * st, BC * D * 2);
-                    load_keys(kbuf, kmap, fullk, st, k0);
-                    if (it >= STAGES)  // P V of ring entry it - STAGES has read this stage's V
-                        while (!mbar_try_wait(emptyv + 8 * st, ph)) {
-                        }
-                    mbar_expect_tx(fullv + 8 * st, BC * D * 2);
-                    load_keys(vbuf, vmap, fullv, st, k0);
+                    load_keys(kbuf, kmap, fullk, st, k0, z, cls);
+                    if (has_pv) issue_v();
+                    pv = Pending{st, k0, z, cls, it >= STAGES ? ph : -1};
+                    has_pv = true;
                 }
             }
+            if (has_pv) issue_v();
         }
         return;
     }
