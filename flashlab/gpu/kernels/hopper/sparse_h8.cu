@@ -226,10 +226,11 @@ __device__ void attn_sparse(const TensorMap* qmap, const TensorMap* kmap, const 
             j_next = next_computed(0, nxt);
             while (j_next >= 0) {
                 const Tile w = nxt;
-                if (!qnext_out)  // not sent early: wait for its buffer
+                if (!qnext_out) {  // not sent early: wait for its buffer
                     while (!q_free(qi)) {
                     }
-                if (!qnext_out) load_q(w, qi & 1);
+                    load_q(w, qi & 1);
+                }
                 ++qi;
                 j_next = next_computed(j_next + 1, nxt);
                 qnext_out = false;
