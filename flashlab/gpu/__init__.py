@@ -680,6 +680,11 @@ def _check_inputs(q, k, v, bf16: bool):
     if q.shape[-2] < 1 or k.shape[-2] < 1:
         raise ValueError(f"need at least one query and one key; got n = {q.shape[-2]}, m = {k.shape[-2]}")
     if q.ndim == 4:
+        for name, x in (("q", q), ("k", k)):
+            if 0 in x.shape[:2]:
+                raise ValueError(
+                    f"{name} has an empty axis (shape {x.shape}); attention needs batch >= 1 and heads >= 1"
+                )
         if q.shape[0] != k.shape[0]:
             raise ValueError(f"q and k/v must have the same batch size; got {q.shape[0]} and {k.shape[0]}")
         if q.shape[1] % k.shape[1] != 0:
