@@ -928,11 +928,12 @@ def test_the_notes_state_the_recorded_block_sparse_run():
     expected = {(impl, p, n, pat) for impl, p, n, pat in sm80 if pat.startswith("window ") and (
         (p == "throughput" and (int(pat.split()[1]) >= 2048
                                 or (impl == "sparse_window" and n == 65536 and pat == "window 1024")))
-        or (p == "latency" and (int(pat.split()[1]) in (2048, 4096) or (n == 16384 and pat == "window 8192"))))}
+        or (p == "latency" and int(pat.split()[1]) in ((2048, 4096) if n == 65536 else (4096, 8192))))}
     assert loses == expected
     # chapter 3's reading of the plot: from w = 2048 (1024 at n = 65536) the Hopper kernels lie on the line (within
     # the 15 % of the notes), not at w = 1024 and n = 16384, at w = 256 above it and FlexAttention further above; on
-    # the dilated pattern both lie on it, the window kernel at the smaller density of its residue classes
+    # the dilated pattern the window kernel sits on it at the smaller density of its residue classes and the list
+    # kernel stays near it
     ratios = sparse.per_tile_ratios(ok)
     hopper = {key: v for key, v in ratios.items() if key[0].startswith("hopper_")}
     on_line = {16384: 2048, 65536: 1024}
@@ -943,7 +944,8 @@ def test_the_notes_state_the_recorded_block_sparse_run():
     assert all(v > 1.15 for (_, _, _, pat), v in hopper.items() if pat == "window 256")  # "not met at w = 256"
     dilated_rows = [r for r in ok if r["impl"] == "hopper_window" and r["dilation"] > 1]
     assert dilated_rows and all(r["computed_density"] < 0.3 * r["density"] for r in dilated_rows)  # "a quarter"
-    assert all(v <= 1.15 for (_, _, _, pat), v in hopper.items() if pat.startswith("dilated"))
+    assert all(v <= (1.15 if impl == "hopper_window" else 1.25) for (impl, _, _, pat), v in hopper.items()
+               if pat.startswith("dilated"))
     # the memory floor's reading: at w = 256 the floor is about the tile-proportional time, at one cell above the 15 %
     # ("the traffic alone exceeds the 15 %"), at w = 512 well below it ("not the traffic")
     floors = sparse.floor_over_tiles(ok)

@@ -170,7 +170,7 @@ __device__ void attn_sparse(const TensorMap* qmap, const TensorMap* kmap, const 
             struct Pending {
                 int st, k0, z, cls, ph;
             } pv{};
-            bool has_pv = false, qnext_out = false;
+            bool qnext_out = false;
             Tile nxt{};
             int j_next = 0;  // the slot index of nxt; past the end: none
             // output tile w's 128 rows of Q into buffer qb
@@ -236,19 +236,18 @@ __device__ void attn_sparse(const TensorMap* qmap, const TensorMap* kmap, const 
                 qnext_out = false;
                 const int hk = w.h / (H / Hk);
                 // with residue classes, batch entry b' = b classes + c: class c of head-and-batch entry (b, h)
-                const int bb = w.b / classes, cls = w.b % classes, z = classes > 1 ? bb * Hk + hk : w.b * Hk + hk;
+                const int bb = w.b / classes, cls = w.b % classes, z = bb * Hk + hk;
                 for (int t = 0, p = next_from(w, w.pbeg); t < w.ntiles; ++t, ++it, p = next_from(w, p + 1)) {
                     const int st = it % STAGES, k0 = key_tile(p) * BC, ph = ((it / STAGES) + 1) & 1;
                     if (it >= STAGES)  // S of ring entry it - STAGES has read this stage's K
                         wait_polling(emptyk + 8 * st, ph);
                     mbar_expect_tx(fullk + 8 * st, BC * D * 2);
                     load_keys(kbuf, kmap, fullk, st, k0, z, cls);
-                    if (has_pv) issue_v();
+                    if (it > 0) issue_v();  // V of entry it - 1
                     pv = Pending{st, k0, z, cls, it >= STAGES ? ph : -1};
-                    has_pv = true;
                 }
             }
-            if (has_pv) issue_v();
+            if (it > 0) issue_v();
         }
         return;
     }
