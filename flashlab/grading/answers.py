@@ -94,6 +94,20 @@ def sandbox_answers(lab_id: str) -> tuple[str, ...]:
     return tuple(name for name in dict.fromkeys([*own, *others]) if name not in keep)
 
 
+def sandbox_methods() -> dict[str, tuple[str, ...]]:
+    """Methods that hold a lab's answer (``SANDBOX_METHODS`` of every lab: ``{module: ("Class.method", ...)}``),
+    stubbed in the student copy of the package like the functions of :func:`sandbox_answers`. The in-process guard
+    does not arm them: an interactive check does not stop a student who copies the course's code."""
+    from .core import available_labs
+
+    out: dict[str, tuple[str, ...]] = {}
+    for lab in available_labs():
+        for module_name, methods in getattr(importlib.import_module(f"{PACKAGE}.grading.{lab}"),
+                                            "SANDBOX_METHODS", {}).items():
+            out[module_name] = tuple(dict.fromkeys([*out.get(module_name, ()), *methods]))
+    return out
+
+
 def resolve(name: str) -> types.FunctionType | None:
     """The Python function behind a dotted name (under a cache decorator, the cached function itself).
 
@@ -267,7 +281,8 @@ AST_LOCK = astguard.LOCK
 
 
 def _strip_functions(source: str, targets: dict[str, str], where: str) -> str:
-    """``source`` with the bodies (docstrings included) of the module-level functions in ``targets`` replaced."""
+    """``source`` with the bodies (docstrings included) of the module-level functions in ``targets`` replaced, and of
+    the methods named ``"Class.method"`` there."""
     with AST_LOCK:
         return _strip_functions_locked(source, targets, where)
 
@@ -276,21 +291,26 @@ def _strip_functions_locked(source: str, targets: dict[str, str], where: str) ->
     tree = ast.parse(source)
     lines = source.splitlines(keepends=True)
     found = {}
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
     for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in targets:
+        if isinstance(node, functions) and node.name in targets:
             found[node.name] = node
+        elif isinstance(node, ast.ClassDef):
+            found.update((f"{node.name}.{f.name}", f) for f in node.body
+                         if isinstance(f, functions) and f"{node.name}.{f.name}" in targets)
     missing = set(targets) - set(found)
     if missing:
-        raise LookupError(f"{where} defines no module-level function {', '.join(sorted(missing))}")
+        raise LookupError(f"{where} defines no module-level function or method {', '.join(sorted(missing))}")
     for node in sorted(found.values(), key=lambda n: n.lineno, reverse=True):
+        key = next(k for k, v in found.items() if v is node)
         first = node.body[0]
         if first.lineno == node.lineno:  # "def f(x): return x" on one line: rewrite the whole definition
-            node.body = ast.parse("".join(_stub(targets[node.name], ""))).body
+            node.body = ast.parse("".join(_stub(targets[key], ""))).body
             text = ast.unparse(node)
             lines[node.lineno - 1: node.end_lineno] = [" " * node.col_offset + s + "\n" for s in text.splitlines()]
             continue
         indent = " " * first.col_offset
-        lines[first.lineno - 1: node.end_lineno] = _stub(targets[node.name], indent)
+        lines[first.lineno - 1: node.end_lineno] = _stub(targets[key], indent)
     return "".join(lines)
 
 
@@ -343,6 +363,8 @@ def student_package(dest: pathlib.Path | str, lab_id: str) -> pathlib.Path:
     for name in sandbox_answers(lab_id):
         module_name, _, attr = name.rpartition(".")
         by_module.setdefault(module_name, {})[attr] = name
+    for module_name, methods in sandbox_methods().items():
+        by_module.setdefault(module_name, {}).update((m, f"{module_name}.{m}") for m in methods)
     for module_name, targets in by_module.items():
         parts = module_name.split(".")
         if parts[0] != PACKAGE:

@@ -50,14 +50,18 @@ _COUNTERS = ("flashlab.iocount.predict", "flashlab.iocount.count", "flashlab.ioc
 _PATTERNS = tuple(f"flashlab.blocksparse.{name}" for name in (
     "causal", "sliding_window", "dilated", "local_global", "from_mask", "from_blocks", "as_pattern", "_check_size",
     "_edges"))
+# The tile classification itself lives in the patterns' methods: the student copy of the package has them stubbed
+# (flashlab.grading.answers.sandbox_methods), so that a sandboxed submission can neither call nor read them.
+SANDBOX_METHODS = {"flashlab.blocksparse": ("Pattern._kinds", "Window._kinds", "Window._tile")}
+_MASK_MOD = ("flashlab.bench.sparse.mask_mod",)  # FlexAttention's element mask of the same windows
 ANSWERS = {
     "q1": (*_COUNTERS, "flashlab.grading.lab03._standard", "flashlab.grading.lab03._kv_outer",
            "flashlab.grading.lab03._q_outer"),
     "q2": (*_COUNTERS, "flashlab.iocount.default_blocks", "flashlab.grading.lab03.best_q_outer"),
     "q3": (*_COUNTERS, "flashlab.iocount.default_blocks"),
     "q4": (*_COUNTERS, "flashlab.grading.lab03.count_q_outer_backward", "flashlab.grading.lab03._q_outer_backward"),
-    "q5": (*_PATTERNS, "flashlab.grading.lab03._kinds", "flashlab.grading.lab03._reduce"),
-    "q6": (*_PATTERNS, "flashlab.grading.lab03._kinds", "flashlab.grading.lab03._reduce",
+    "q5": (*_PATTERNS, *_MASK_MOD, "flashlab.grading.lab03._kinds", "flashlab.grading.lab03._reduce"),
+    "q6": (*_PATTERNS, *_MASK_MOD, "flashlab.grading.lab03._kinds", "flashlab.grading.lab03._reduce",
            "flashlab.grading.lab03.tile_work_of", "flashlab.grading.lab03._work"),
 }
 
@@ -518,9 +522,10 @@ def _window_limits(n: int, m: int, left, right) -> tuple[int, int]:
     return (-(n + m) if left is None else -left), (n + m if right is None else right)
 
 
-def _kinds(n, m, bq, bk, left, right, stride, *, tile_end=0, left_open=False, no_partial=False,
-           full_right_only=False, stride_full=True, stride_empty=True, swap=False, aligned=True, clip=True,
-           floor=False, zero_is_none=False):
+def _kinds(n, m, bq, bk, left, right, stride, *, tile_end=0, left_open=False, no_partial=False, no_edges=False,
+           full_right_only=False, full_left_only=False, corners=False, stride_full=True, stride_empty=True,
+           tile_stride=None, one_delta_empty=False, swap=False, aligned=True, clip=True, floor=False,
+           zero_is_none=False):
     """Tile kinds of the window pattern from each tile's range of delta, with one switch per mistake (defaults =
     right): the grader's own implementation, independent of :mod:`flashlab.blocksparse`."""
     if swap:
@@ -537,7 +542,17 @@ def _kinds(n, m, bq, bk, left, right, stride, *, tile_end=0, left_open=False, no
     first, last = np.maximum(lo, a), np.minimum(hi, b)
     step = stride if stride_empty else 1
     empty = (last // step) * step < first
-    full = (hi <= b) if full_right_only else (lo >= a) & (hi <= b)
+    if one_delta_empty:
+        empty |= last == first
+    if tile_stride is not None:  # the stride applied to tile indices: a key tile a multiple of it away, or EMPTY
+        first_key_tile = np.arange(t_r)[:, None] if tile_stride == "index" else (q0 + offset) // bk
+        empty = (last < first) | ((np.arange(t_c)[None, :] - first_key_tile) % stride != 0)
+    full = (hi <= b) if full_right_only else (lo >= a) if full_left_only else (lo >= a) & (hi <= b)
+    if corners:  # the first query with the first key, the last with the last: the diagonal's deltas
+        top, bottom = k0 - q0 - offset, (k1 - 1) - (q1 - 1) - offset
+        full = (top >= a) & (top <= b) & (bottom >= a) & (bottom <= b)
+    if no_edges:
+        full = np.ones_like(empty)
     if stride_full:
         full &= (stride == 1) | ((lo == hi) & (lo % stride == 0))
     if no_partial:
@@ -571,6 +586,11 @@ def _switch_kinds(**flags):
     return tile_kinds
 
 
+_BOUNDARY_FULL = ("a boundary tile is treated as FULL: a tile that the window's edge crosses has hidden pairs, "
+                  "and FULL means no mask at all. Which tiles need a mask element by element?")
+_STRIDE_ON_BLOCKS = ("the stride counts key blocks instead of tokens: dilated attention keeps every stride-th token, "
+                     "delta % stride == 0, whatever the tiles. Look at what one tile's range of delta holds.")
+
 TILE_KIND_MUTANTS = [
     Mutant("the window's left side includes its end: -left <= delta, so sliding window (w, 0) sees the last w + 1 "
            "tokens, its own included. Look at the tiles where delta = -left is the only visible difference.",
@@ -578,14 +598,25 @@ TILE_KIND_MUTANTS = [
     Mutant("the window reaches one tile too far: a tile's last query is q1 - 1 and its last key k1 - 1, so its "
            "deltas run from k0 - (q1 - 1) - (m - n) to (k1 - 1) - q0 - (m - n). Look at the tiles just outside the "
            "window's edges.", fn=_switch_kinds(tile_end=1)),
-    Mutant("a boundary tile is treated as FULL: a tile that the window's edge crosses has hidden pairs, and FULL "
-           "means no mask at all. Which tiles need a mask element by element?", fn=_switch_kinds(no_partial=True)),
+    Mutant(_BOUNDARY_FULL, fn=_switch_kinds(no_partial=True)),
+    Mutant(_BOUNDARY_FULL, fn=_switch_kinds(no_edges=True)),
     Mutant("the window's left edge is forgotten when a tile is called FULL: a tile inside the right edge but "
            "crossing the left one still has hidden pairs. Check both ends of the tile's range of delta.",
            fn=_switch_kinds(full_right_only=True)),
-    Mutant("the stride counts key blocks instead of tokens: dilated attention keeps every stride-th token, "
-           "delta % stride == 0, whatever the tiles. Look at what one tile's range of delta holds.",
-           fn=_stride_on_blocks),
+    Mutant("the window's right edge is forgotten when a tile is called FULL: a tile inside the left edge but "
+           "crossing the right one (the causal diagonal's tiles, for one) still has hidden pairs. Check both ends "
+           "of the tile's range of delta.", fn=_switch_kinds(full_left_only=True)),
+    Mutant("a tile is called FULL from its diagonal corners (first query with first key, last with last): the "
+           "extreme deltas are at the other two, lo = k0 - (q1 - 1) - (m - n) for the last query with the first key "
+           "and hi = (k1 - 1) - q0 - (m - n) for the first query with the last key. A tile is FULL when both lie "
+           "inside the window.", fn=_switch_kinds(corners=True)),
+    Mutant("a tile that sees exactly one delta is called EMPTY: its visible range runs from max(lo, -left) to "
+           "min(hi, right), and it holds a pair when that range is not empty, first <= last, a single delta "
+           "included. Look at the tiles that a window's edge touches at one corner.",
+           fn=_switch_kinds(one_delta_empty=True)),
+    *(Mutant(_STRIDE_ON_BLOCKS, fn=fn) for fn in (
+        _stride_on_blocks, *(_switch_kinds(tile_stride=how, stride_full=full)
+                             for how in ("index", "position") for full in (True, False)))),
     Mutant("a dilated tile is never FULL (unless it holds one pair): the stride hides the pairs between multiples, "
            "so a tile inside the window is PARTIAL. What does the stride do inside one tile?",
            fn=_switch_kinds(stride_full=False)),
