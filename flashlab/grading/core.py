@@ -207,14 +207,11 @@ def allclose(a: Sequence[np.ndarray], b: Sequence[np.ndarray], rtol: float = 1e-
     if len(a) != len(b):
         return False
     for x, y in zip(a, b, strict=False):
-        x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-        if x.shape != y.shape:
-            if x.size == y.size:
-                x = x.reshape(y.shape)
-            elif x.size == 1 or y.size == 1:  # e.g. u = 0 (a scalar) for a row that saw only masked keys
-                x, y = np.broadcast_arrays(x, y)
-            else:
-                return False
+        # a scalar against an array: e.g. u = 0 for a row that saw only masked keys
+        pair = _aligned(np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64))
+        if pair is None:
+            return False
+        x, y = pair
         with np.errstate(invalid="ignore"):
             if not np.allclose(x, y, rtol=rtol, atol=atol, equal_nan=True):
                 return False
@@ -276,7 +273,7 @@ def _aligned(got: np.ndarray, expected: np.ndarray) -> tuple[np.ndarray, np.ndar
     """The two arrays in one shape, as :func:`allclose` compares them, or None when they cannot be."""
     if got.shape == expected.shape:
         return got, expected
-    if got.size == expected.size:
+    if got.squeeze().shape == expected.squeeze().shape:  # (n,) for (n, 1); a flattened or transposed array is not
         return got.reshape(expected.shape), expected
     if got.size == 1 or expected.size == 1:
         return tuple(np.broadcast_arrays(got, expected))  # type: ignore[return-value]
