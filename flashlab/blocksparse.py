@@ -75,6 +75,13 @@ class Pattern:
 
     def tile(self, n: int, m: int, q0: int, q1: int, k0: int, k1: int) -> np.ndarray:
         """The ``(q1 - q0) x (k1 - k0)`` boolean mask of queries ``q0:q1`` against keys ``k0:k1``."""
+        n, m = _check_size(n, "n"), _check_size(m, "m")
+        self.check(n, m)
+        for what, lo, hi, size, count in (("queries", q0, q1, n, "n"), ("keys", k0, k1, m, "m")):
+            ok = all(not isinstance(x, bool) and isinstance(x, numbers.Integral) for x in (lo, hi))
+            if not ok or not 0 <= lo < hi <= size:
+                raise ValueError(f"the {what} {lo!r}:{hi!r} are not a non-empty range within 0:{size} "
+                                 f"({count} = {size})")
         return self._tile(n, m, q0, q1, k0, k1)
 
     def mask(self, n: int, m: int) -> np.ndarray:
@@ -134,6 +141,11 @@ class BlockMask:
 
     def bounds(self, i: int, j: int) -> tuple[int, int, int, int]:
         """``(q0, q1, k0, k1)``: the queries and keys of tile (i, j)."""
+        t_r, t_c = self.shape
+        for name, x, size in (("i", i, t_r), ("j", j, t_c)):
+            if isinstance(x, bool) or not isinstance(x, numbers.Integral) or not 0 <= x < size:
+                raise ValueError(f"tile ({i!r}, {j!r}) is outside the {t_r} x {t_c} tiles: {name} runs from 0 to "
+                                 f"{size - 1}")
         q0, k0 = i * self.block_q, j * self.block_k
         return q0, min(q0 + self.block_q, self.n), k0, min(k0 + self.block_k, self.m)
 
@@ -197,6 +209,11 @@ class Window(Pattern):
     left: int | None
     right: int | None
     stride: int = 1
+
+    def __post_init__(self):
+        _check_reach(self.left, "left")
+        _check_reach(self.right, "right")
+        _check_size(self.stride, "stride")
 
     def check(self, n: int, m: int) -> None:
         # delta ranges over [-(m - 1), n - 1]: a side reaching further is wider than the sequence.

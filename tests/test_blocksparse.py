@@ -258,6 +258,22 @@ def test_bad_input_gets_a_clear_error():
                             mask=blocksparse.causal().block_mask(4, 4, 2, 2))
     with pytest.raises(ValueError, match="tiled orders"):
         iocount.predict("standard", 16, 4, sram=256, mask=blocksparse.causal())
+    # the class itself, built directly, checks what the constructors check
+    with pytest.raises(ValueError, match="stride must be >= 1"):
+        blocksparse.Window(4, 0, 0)
+    with pytest.raises(ValueError, match="left must be >= 0"):
+        blocksparse.Window(-3, 0)
+    with pytest.raises(TypeError, match="integer"):
+        blocksparse.Window(2.5, 0)
+    # a tile outside the sequence, or outside the tiles, is refused rather than cut short
+    with pytest.raises(ValueError, match=r"queries 5:20 are not a non-empty range within 0:10"):
+        blocksparse.causal().tile(10, 10, 5, 20, 0, 10)
+    with pytest.raises(ValueError, match="mask has shape"):
+        blocksparse.from_mask(np.ones((4, 4), dtype=bool)).tile(10, 10, 0, 10, 0, 10)
+    with pytest.raises(ValueError, match=r"tile \(99, 0\) is outside the 2 x 2 tiles"):
+        blocksparse.causal().block_mask(8, 8, 4, 4).tile_mask(99, 0)
+    with pytest.raises(ValueError, match="outside"):
+        blocksparse.causal().block_mask(8, 8, 4, 4).tile_mask(-1, 0)
 
 
 def test_plot_block_masks_draws_the_tiles_of_each_kind():
