@@ -245,6 +245,16 @@ def test_feedback_shows_points_feedback_seed_replay_and_error(tmp_path):
     assert bob.count("No module named 'torch'") == 1  # once, not repeated under every question
 
 
+def test_feedback_names_a_failed_cell_even_at_full_marks(tmp_path):
+    """A submission whose functions earn every point but whose cell failed (an attack, say) hears of that cell."""
+    row = _row("lab01_carol.ipynb", {})
+    row["notebook_error"] = "cell 5 raised PermissionError: [Errno 13] Permission denied: '/srv/gradebook'"
+    report.write_gradebook(report.build([row], id_pattern=re.compile(r"_(\w+)")), tmp_path)
+    carol = (tmp_path / "feedback" / "carol.md").read_text()
+    assert "Score: 10 / 10 points" in carol and "A cell of your notebook failed" in carol
+    assert "cell 5 raised PermissionError" in carol
+
+
 def test_feedback_file_names_stay_inside_the_folder(tmp_path):
     rows = [_row("x.ipynb", {})]
     roster = [report.RosterEntry("../../etc/passwd", file="x.ipynb"), report.RosterEntry(".hidden")]

@@ -123,7 +123,7 @@ def test_writes_outside_the_workdir_fail_and_leave_files_unchanged(tmp_path, out
                     results[path + " " + action] = e.strerror
         open("mine.txt", "w").write("allowed")
         print(json.dumps(results))
-    """, tmp_path)
+    """, tmp_path, expose=[ROOT / "flashlab", outside])
     results = report(done)
     assert results and all(v != "succeeded" for v in results.values()), results
     assert {str(p): digest(p) for p in targets} == before
@@ -147,17 +147,49 @@ def test_hidden_folders_are_empty_and_exposed_ones_readable(tmp_path, outside):
             planted = True
         except OSError:
             planted = False
-        print(json.dumps({{"listing": os.listdir({str(secret.parent)!r}), "read": text, "planted": planted,
+        try:
+            listing = os.listdir({str(secret.parent)!r})
+        except OSError:
+            listing = []
+        print(json.dumps({{"listing": listing, "read": text, "planted": planted,
                            "checkout": os.path.exists({str(ROOT / "solutions")!r}),
                            "package": os.path.exists({str(ROOT / "flashlab" / "grading" / "core.py")!r})}}))
     """
-    seen = report(run_py(code, tmp_path, hide=[ROOT]))
-    assert seen["listing"] == ["lab01.ipynb"] and seen["read"] == "the answers"  # the control: visible unhidden
-    hidden = report(run_py(code, tmp_path, hide=[ROOT, secret.parent]))
+    seen = report(run_py(code, tmp_path, hide=[ROOT], expose=[ROOT / "flashlab", outside]))
+    assert seen["listing"] == ["lab01.ipynb"] and seen["read"] == "the answers"  # the control: exposed, visible
+    covered = report(run_py(code, tmp_path, hide=[ROOT]))  # outside the system's folders: covered unless exposed
+    assert covered["listing"] == [] and covered["read"] != "the answers" and covered["package"]
+    hidden = report(run_py(code, tmp_path, hide=[ROOT, secret.parent], expose=[ROOT / "flashlab", outside]))
     assert hidden["listing"] == [] and hidden["read"] != "the answers"
     assert not hidden["planted"]  # the cover is read-only too: nothing to hand over between cells through it
     assert (ROOT / "solutions").exists() and not hidden["checkout"]
     assert hidden["package"]
+
+
+@needs_sandbox
+@pytest.mark.skipif(not os.access("/", os.W_OK), reason="needs a new top-level folder (root)")
+def test_another_copy_of_the_course_in_a_top_level_folder_is_covered(tmp_path):
+    """A teacher's other checkout, say /srv/course/solutions, is out of sight, wherever it lies outside the system's
+    folders; the package and the Python that the submission runs stay."""
+    top = pathlib.Path(tempfile.mkdtemp(prefix="flashlab-sandbox-test-", dir="/"))
+    try:
+        (top / "solutions").mkdir()
+        (top / "solutions" / "lab03.ipynb").write_text("the answers")
+        top.chmod(0o755)
+        (top / "solutions").chmod(0o755)
+        (top / "solutions" / "lab03.ipynb").chmod(0o644)
+        found = report(run_py(f"""
+            import json, os
+            try:
+                text = open({str(top / "solutions" / "lab03.ipynb")!r}).read()
+            except OSError as e:
+                text = e.strerror
+            print(json.dumps({{"top": os.listdir({str(top)!r}), "read": text,
+                               "system": os.path.exists("/usr/bin") and os.path.exists("/etc/passwd")}}))
+        """, tmp_path))
+        assert found["top"] == [] and found["read"] != "the answers" and found["system"], found
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------------- network

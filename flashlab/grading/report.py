@@ -363,6 +363,9 @@ def feedback_markdown(student_id: str, students: list[Student], graded_at: str) 
                                     "derived from it: the one its replay line gives)." if seed else "."), ""]
             if row["error"]:
                 lines += ["Your notebook could not be graded completely:", "", "```text", row["error"], "```", ""]
+            elif row.get("notebook_error"):  # graded, but a cell failed: worth knowing even at full marks
+                lines += ["A cell of your notebook failed (its first error):", "", "```text", row["notebook_error"],
+                          "```", ""]
             for q in row["questions"]:
                 lines += [f"### {q['name']}: {q['score']:g} / {q['max_score']:g} points", ""]
                 if q["feedback"] and q["feedback"] != row["error"]:

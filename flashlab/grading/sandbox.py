@@ -6,10 +6,12 @@ What a sandboxed command sees and may do:
   or anything else of the host;
 - one **writable folder**, ``workdir`` (the copy of the submission), which is also its ``HOME`` and working
   directory; ``/tmp`` and ``/dev/shm`` are small private tmpfs that vanish with the run;
-- **hidden** folders: ``hide`` (e.g. ``solutions/``, the repository checkout, the folder of all submissions) and
-  :data:`ALWAYS_HIDDEN` (home folders hold credentials; ``/run`` holds the host's Unix sockets) are covered by an
-  empty read-only tmpfs. ``expose`` puts chosen paths back, read-only (e.g. the ``flashlab`` package folder of a
-  hidden checkout); the running Python's installation is always put back, so the command can run this Python;
+- **hidden** folders: ``hide`` (e.g. ``solutions/``, the repository checkout, the folder of all submissions),
+  :data:`ALWAYS_HIDDEN` (home folders hold credentials; ``/run`` holds the host's Unix sockets) and every top-level
+  folder but the system's (:data:`SYSTEM_DIRS`: another copy of the course, solutions included, may lie anywhere
+  else) are covered by an empty read-only tmpfs. ``expose`` puts chosen paths back, read-only (e.g. the
+  ``flashlab`` package folder of a hidden checkout); the running Python's installation is always put back, so the
+  command can run this Python;
 - **no network**: a network namespace with only its own loopback (which bwrap brings up, so a Jupyter kernel's
   ZMQ sockets work inside);
 - its **own PID namespace** (``--unshare-pid``): it sees and can signal only its own processes, and when the
@@ -53,7 +55,12 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
-ALWAYS_HIDDEN = ("/root", "/home", "/run")
+ALWAYS_HIDDEN = ("/root", "/home", "/run", "/var/tmp")
+#: The top-level folders a sandbox sees, read-only: the system's programs, libraries and settings. Every other one
+#: (``/work``, ``/srv``, ``/mnt``, ``/opt``, ...: wherever another copy of the course and its solutions may lie) is
+#: covered like :data:`ALWAYS_HIDDEN`; the running Python's installation and ``expose`` are put back.
+SYSTEM_DIRS = frozenset({"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "sys", "proc", "dev", "tmp",
+                         "var", "nix"})
 SCRATCH_UID_BASE = 2_000_000_000  # above the ranges distributions and container tools hand out, below 2**31
 GPU_DEVICES = ("/dev/nvidia*", "/dev/dri")
 _HIDDEN_TMPFS_SIZE = 64 * 1024  # bytes; hidden folders are remounted read-only, so they only hold mount points
@@ -165,6 +172,13 @@ def _scratch_uid() -> int:
     return SCRATCH_UID_BASE + (os.getpid() % 65536) * 1024 + n
 
 
+def covered_roots() -> list[str]:
+    """:data:`ALWAYS_HIDDEN` and every top-level folder outside :data:`SYSTEM_DIRS` (links to folders are left alone:
+    covering one would cover its target, which may be a system folder)."""
+    roots = [os.path.join("/", name) for name in sorted(os.listdir("/")) if name not in SYSTEM_DIRS]
+    return [*ALWAYS_HIDDEN, *(p for p in roots if os.path.isdir(p) and not os.path.islink(p))]
+
+
 def python_paths() -> list[str]:
     """The running interpreter's installation (venv and base prefixes), which a sandboxed command may need."""
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
@@ -236,23 +250,29 @@ def _command(argv: Sequence[str], *, bwrap: str, workdir: pathlib.Path, hide: It
              expose: Iterable[str | os.PathLike], gpu: bool, limits: Limits, env: Mapping[str, str],
              uid: int | None) -> list[str]:
     work = str(workdir)
-    hidden = [os.path.realpath(p) for p in (*ALWAYS_HIDDEN, *hide)]
+    hidden = [os.path.realpath(p) for p in (*covered_roots(), *hide)]
     hidden = [p for p in dict.fromkeys(hidden) if os.path.lexists(p)]  # bwrap cannot make mount points on a ro /
-    hidden_dirs = [p for p in hidden if os.path.isdir(p)]
+    # The outermost covers go first; a folder to hide inside one of them is covered already, unless something
+    # put back (``expose``) holds it: that one is covered again after the binds.
+    outer = [p for p in hidden if not any(_under(p, q) for q in hidden)]
+    outer_dirs = [p for p in outer if os.path.isdir(p)]
     cmd = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
     sized = _knows_size(bwrap)
     for private in ("/tmp", "/dev/shm"):
         cmd += ["--perms", "1777", *(["--size", str(limits.tmp_size)] if sized else []), "--tmpfs", private]
-    for path in hidden:
-        if path in hidden_dirs:
-            cmd += ["--perms", "0755", *(["--size", str(_HIDDEN_TMPFS_SIZE)] if sized else []), "--tmpfs", path]
-        else:
-            cmd += ["--ro-bind", "/dev/null", path]
+
+    def cover(path: str) -> list[str]:
+        if os.path.isdir(path):
+            return ["--perms", "0755", *(["--size", str(_HIDDEN_TMPFS_SIZE)] if sized else []), "--tmpfs", path]
+        return ["--ro-bind", "/dev/null", path]
+
+    for path in outer:
+        cmd += cover(path)
     if gpu:
         for pattern in GPU_DEVICES:
             for device in sorted(glob.glob(pattern)):
                 cmd += ["--dev-bind", device, device]
-    fresh = ["/tmp", *hidden_dirs]
+    fresh = ["/tmp", *outer_dirs]
     shown = [os.path.realpath(p) for p in (*python_paths(), *expose)]
     # Only what a hidden folder covers needs binding again; shallow paths first, so deeper ones land on top.
     shown = sorted({p for p in shown if os.path.exists(p) and any(_under(p, h) for h in fresh)}, key=len)
@@ -260,7 +280,10 @@ def _command(argv: Sequence[str], *, bwrap: str, workdir: pathlib.Path, hide: It
     for path in shown:
         cmd += [*_new_dirs(path, fresh), "--ro-bind", path, path]
     cmd += [*_new_dirs(work, fresh), "--bind", work, work]
-    for path in hidden_dirs:  # after the binds inside them: their mount points must be made first
+    inner = [p for p in hidden if p not in outer and any(p == e or _under(p, e) for e in shown)]
+    for path in inner:
+        cmd += cover(path)
+    for path in [*outer_dirs, *(p for p in inner if os.path.isdir(p))]:  # after the binds inside them
         cmd += ["--remount-ro", path]
     cmd += ["--chdir", work, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
             "--unshare-cgroup-try", "--hostname", "sandbox", "--die-with-parent", "--new-session", "--clearenv"]
