@@ -41,6 +41,14 @@ def test_the_release_holds_what_a_class_needs_and_no_solutions(student):
     assert {"notebooks", "labs", "flashlab", "data", "README.md", "requirements.txt", "environment.yml", "Makefile",
             "pyproject.toml"} <= names
     assert not names & {"solutions", "tests", ".git", "tools", ".ci"}
+    # every repository file a chapter or lab names (docs/kernels.md, CONTRIBUTING.md, data/...) is in the release
+    import re
+
+    for nb in [*(student / "notebooks").glob("*.ipynb"), *(student / "labs").glob("*.ipynb")]:
+        cites = r"\b((?:docs|data)/[\w./-]+\.(?:md|jsonl?|txt|csv)\b|CONTRIBUTING\.md)"
+        for cited in set(re.findall(cites, nb.read_text())):
+            if cited == "CONTRIBUTING.md" or not re.search(r"[A-Z]{3,}", cited):  # data/NAME.json: a placeholder
+                assert (student / cited).exists(), (nb.name, cited)
     assert not list(student.rglob("solutions"))
     assert not list(student.rglob("__pycache__"))
     assert sorted(p.name for p in (student / "notebooks").glob("*.ipynb")) == \

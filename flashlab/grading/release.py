@@ -30,8 +30,8 @@ END = "### END SOLUTION"
 STUB = ("# YOUR CODE HERE", 'raise NotImplementedError("write your solution here")')
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: What a student release holds besides ``labs/``: folders, then files (``requirements*.txt`` are added by glob).
-STUDENT_DIRS = ("notebooks", "flashlab", "data")
-STUDENT_FILES = ("README.md", "environment.yml", "Makefile", "pyproject.toml")
+STUDENT_DIRS = ("notebooks", "flashlab", "data", "docs")  # the chapters cite docs/ and CONTRIBUTING.md
+STUDENT_FILES = ("README.md", "CONTRIBUTING.md", "environment.yml", "Makefile", "pyproject.toml")
 _JUNK = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints", "*.egg-info", ".pytest_cache")
 
 
