@@ -323,6 +323,8 @@ def bad_batch(tmp_path_factory):
     subs = {
         "raises": _submission(d / "raises.ipynb", 'raise RuntimeError("boom")'),
         "hangs": _submission(d / "hangs.ipynb", "while True:\n    pass"),
+        # two endless cells: they share the cells' budget, and the questions still have their time
+        "hangs_twice": _submission(d / "hangs_twice.ipynb", "while True:\n    pass", after="while True:\n    pass"),
         "hangs_hard": _submission(
             d / "hangs_hard.ipynb",
             f"import signal, subprocess\nsubprocess.Popen(['sleep', {SURVIVOR!r}])\n"
@@ -363,6 +365,9 @@ def test_batch_survives_a_raising_cell(bad_batch):
 def test_batch_interrupts_an_endless_cell_and_still_grades(bad_batch):
     r = bad_batch["rows"]["hangs"]
     assert r["error"] is None and r["score"] == r["max_score"], r
+    twice = bad_batch["rows"]["hangs_twice"]
+    assert twice["error"] is None and twice["score"] == twice["max_score"], twice
+    assert (twice["notebook_error"] or "").startswith("cell 2 was interrupted"), twice
 
 
 def _survivors() -> list[int]:

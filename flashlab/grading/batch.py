@@ -231,6 +231,8 @@ def _first_error_text(first: object) -> str | None:
     cell, ename, evalue = first.get("cell"), first.get("ename"), first.get("evalue")
     if not isinstance(cell, int) or not isinstance(ename, str) or not isinstance(evalue, str):
         return None
+    if ename in ("KeyboardInterrupt", "CellTimeout"):  # the kernel's answer to the interrupt at the cells' time limit
+        return f"cell {cell} was interrupted ({ename}): a cell still running when the cells' time is up is stopped"
     return f"cell {cell} raised {ename}: {evalue}"[:500]
 
 
@@ -572,7 +574,11 @@ def _worker(notebook: str, requests: str, lab_id: str, timeout: float, mode: str
     try:
         client.reset_execution_trackers()
         with client.setup_kernel():
+            # The cells share one budget of half the time (each cell at least 5 s), so that two endless cells
+            # cannot use up the time the questions need.
+            budget_end = time.monotonic() + max(5, timeout / 2)
             for index, cell in enumerate(list(nb.cells)):
+                client.timeout = int(max(5, budget_end - time.monotonic()))
                 client.execute_cell(cell, index, execution_count=client.code_cells_executed + 1)
             errors = _errors(student)
             if mode == "inside":
