@@ -301,8 +301,7 @@ def _strip_functions_locked(source: str, targets: dict[str, str], where: str) ->
     missing = set(targets) - set(found)
     if missing:
         raise LookupError(f"{where} defines no module-level function or method {', '.join(sorted(missing))}")
-    for node in sorted(found.values(), key=lambda n: n.lineno, reverse=True):
-        key = next(k for k, v in found.items() if v is node)
+    for key, node in sorted(found.items(), key=lambda item: item[1].lineno, reverse=True):
         first = node.body[0]
         if first.lineno == node.lineno:  # "def f(x): return x" on one line: rewrite the whole definition
             node.body = ast.parse("".join(_stub(targets[key], ""))).body
